@@ -1,0 +1,75 @@
+"""Peak FLOP/s of the devices in use, for MFU = model FLOPs/s / peak FLOPs/s.
+
+Accelerators: dense bf16 peak per chip from the vendors' data sheets. CPU: measured once with a short f32 matmul
+benchmark over all devices at once (simulated devices share the same cores, so the whole machine's rate is the
+peak, not a per-device figure) and cached in ~/.cache/jaxtrain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# Dense bf16 FLOP/s per chip. Keys are matched as substrings of `device.device_kind`, most specific first.
+PEAK_BF16_PER_CHIP = {
+    "TPU v6 lite": 918e12,  # v6e (Trillium)
+    "TPU v6e": 918e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v4": 275e12,
+    "H200": 989e12,  # SXM, dense
+    "H100": 989e12,  # SXM, dense
+    "A100": 312e12,
+}
+CACHE_DIR = Path(os.environ.get("JAXTRAIN_CACHE", Path.home() / ".cache" / "jaxtrain"))
+
+
+def accelerator_peak(device_kind: str) -> float | None:
+    for key, peak in PEAK_BF16_PER_CHIP.items():
+        if key.lower() in device_kind.lower():
+            return peak
+    return None
+
+
+def peak_flops(devices: Sequence[jax.Device]) -> tuple[float, str]:
+    """(peak FLOP/s of all `devices` together, where the figure comes from)."""
+    kind = devices[0].device_kind
+    if devices[0].platform == "cpu":
+        return cpu_peak_flops(devices), "measured f32 matmul peak of this CPU (cached)"
+    per_chip = accelerator_peak(kind)
+    if per_chip is None:
+        raise ValueError(f"no peak FLOP/s known for device kind '{kind}'; add it to PEAK_BF16_PER_CHIP.")
+    return per_chip * len(devices), f"bf16 data-sheet peak of {kind} x {len(devices)}"
+
+
+def cpu_peak_flops(devices: Sequence[jax.Device], size: int = 2048, repeats: int = 3) -> float:
+    """Best f32 matmul rate of the whole machine: one (size x size) matmul per device, all devices at once."""
+    key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}cpu-{len(devices)}dev-jax{jax.__version__}"
+    cache = CACHE_DIR / "cpu_peak_flops.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    if key in known:
+        return known[key]
+    mesh = Mesh(list(devices), ("d",))
+    sharding = NamedSharding(mesh, PartitionSpec("d"))
+    a = jax.device_put(jnp.ones((len(devices), size, size), jnp.float32), sharding)
+    matmul = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x), out_shardings=sharding)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    peak = 2.0 * size**3 * len(devices) / best
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({**known, key: peak}, indent=1))
+    return peak

@@ -1,0 +1,75 @@
+"""Where metrics go: a JSON-lines file (one object per logged step), a progress bar, or plain log lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+
+class MetricsLog:
+    """Appends one JSON object per call to `path` (if given) and shows progress on `stream`."""
+
+    def __init__(
+        self,
+        path: str | None,
+        total_steps: int,
+        first_step: int = 0,
+        progress: bool = True,
+        stream: TextIO = sys.stderr,
+    ):
+        self.file = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a")
+        self.stream = stream
+        self.bar = (
+            tqdm(total=total_steps, initial=first_step, file=stream, unit="step", dynamic_ncols=True)
+            if progress
+            else None
+        )
+        self.step = first_step
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.bar is not None:
+            self.bar.update(step - self.step)
+            self.bar.set_postfix_str(_short(record), refresh=True)
+        else:
+            print(f"step {step:>6}  {_short(record)}", file=self.stream, flush=True)
+        self.step = step
+
+    def message(self, text: str) -> None:
+        (self.bar.write if self.bar is not None else lambda t: print(t, file=self.stream, flush=True))(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+
+
+def _plain(value: Any) -> Any:
+    value = value.item() if hasattr(value, "item") else value
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _short(record: dict[str, Any]) -> str:
+    parts = []
+    for key, fmt in (
+        ("loss", "loss {:.4f}"),
+        ("val_loss", "val {:.4f}"),
+        ("accuracy", "acc {:.3f}"),
+        ("tokens_per_sec", "{:,.0f} tok/s"),
+        ("mfu", "MFU {:.1%}"),
+    ):
+        if record.get(key) is not None:
+            parts.append(fmt.format(record[key]))
+    return "  ".join(parts)

@@ -1,0 +1,28 @@
+"""The optimizer: AdamW, warmup + cosine learning-rate schedule, global-norm gradient clipping."""
+
+from __future__ import annotations
+
+import optax
+
+from jaxtrain.config import OptimizerConfig
+
+
+def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to `learning_rate`, then cosine decay to `min_lr_ratio * learning_rate` at `total_steps`."""
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = make_schedule(cfg, total_steps)
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay),
+    )
+    return optimizer, schedule

@@ -1,0 +1,265 @@
+"""The plan: the one place that turns an abstract state plus sharding rules into shardings and compiled steps.
+
+    abstract params + logical names --(rules, mesh)--> PartitionSpecs --> NamedShardings for the whole train state
+    --> sharded init (`jit(init, out_shardings=...)`) and the compiled step (`jit(step, in/out shardings, donate)`).
+
+Checkpoint restore goes through the same shardings, so a checkpoint carries no layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtrain.constraints import activation_sharding
+from jaxtrain.errors import UserInputError
+from jaxtrain.rules import ShardingRules, logical_to_spec
+
+PyTree = Any
+
+
+class PlanError(UserInputError):
+    """A model, batch or rule set that cannot be laid out on the mesh."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParts:
+    """A model split for functional use: its graph, abstract params and each param's logical dim names."""
+
+    graphdef: Any
+    abstract_params: PyTree  # pure dict of jax.ShapeDtypeStruct
+    logical_names: PyTree  # same structure, tuples of names
+    build: Callable[[nnx.Rngs], nnx.Module]
+
+    def loss_fn(self, params: PyTree, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        return nnx.merge(self.graphdef, params).loss(batch)
+
+    def init_params(self, seed: int) -> PyTree:
+        with nnx.use_eager_sharding(False):  # shardings come from the plan, not from Flax's eager annotation
+            return nnx.to_pure_dict(nnx.state(self.build(nnx.Rngs(seed)), nnx.Param))
+
+
+def split_model(build: Callable[[nnx.Rngs], nnx.Module]) -> ModelParts:
+    """Trace `build` abstractly (no memory) and read each parameter's logical names from its metadata."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract, nnx.Param)
+    names: dict = {}
+    for path, variable in nnx.to_flat_state(state):
+        logical = variable.get_metadata().get("out_sharding")
+        if logical is None:
+            raise PlanError(
+                f"parameter '{_path_str(path)}' has no logical axis names. Create it with "
+                "nnx.Param(value, out_sharding=(...)) so the rules can place it."
+            )
+        _set_path(names, path, tuple(logical))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+    return ModelParts(graphdef, params, names, build)
+
+
+def _set_path(tree: dict, path: tuple, value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    mesh: Mesh
+    rules: ShardingRules
+    model: ModelParts
+    param_specs: PyTree  # PartitionSpec per parameter
+    abstract_state: PyTree  # {"params", "opt_state", "step"} of ShapeDtypeStruct, each with its sharding
+
+    @property
+    def state_shardings(self) -> PyTree:
+        return jax.tree.map(lambda x: x.sharding, self.abstract_state)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def is_pure_data_parallel(self) -> bool:
+        """Every parameter replicated and every non-trivial mesh axis a batch axis."""
+        live = {a for a in self.mesh.axis_names if self.mesh.shape[a] > 1}
+        replicated = all(
+            all(a is None for a in spec)
+            for spec in jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        )
+        return replicated and live <= set(self.rules.batch_axes())
+
+    def batch_sharding(self, shape: tuple[int, ...], microbatches: int = 1) -> NamedSharding:
+        """Rows over the batch axes, other dims whole. Checks the global batch divides evenly."""
+        axes = tuple(a for a in self.rules.batch_axes() if self.mesh.shape[a] > 1)
+        ways = math.prod(self.mesh.shape[a] for a in axes)
+        rows_per_step = shape[0] // microbatches if shape[0] % microbatches == 0 else None
+        if rows_per_step is None or rows_per_step % ways:
+            where = ", ".join(f"{a}={self.mesh.shape[a]}" for a in axes)
+            raise PlanError(
+                f"global batch size {shape[0]} is not divisible by {microbatches} microbatch(es) x {ways} devices "
+                f"on the batch axes ({where or 'none'}). Use a batch size that is a multiple of {microbatches * ways}."
+            )
+        spec = logical_to_spec(
+            ("batch",) + (None,) * (len(shape) - 1), shape, self.rules.activations, self.mesh, "batch"
+        )
+        return NamedSharding(self.mesh, spec)
+
+    def abstract_batch(self, shapes: dict[str, jax.ShapeDtypeStruct], microbatches: int = 1) -> dict:
+        return {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding(v.shape, microbatches))
+            for k, v in shapes.items()
+        }
+
+    def init_state(self, optimizer: optax.GradientTransformation, seed: int) -> PyTree:
+        """The train state, created directly in its shards (no device ever holds the whole thing)."""
+
+        def init():
+            params = self.model.init_params(seed)
+            return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def compile(
+        self,
+        step_fn: Callable,
+        *abstract_args: PyTree,
+        donate_state: bool = True,
+        in_shardings: Any = None,
+        out_shardings: Any = None,
+    ) -> jax.stages.Compiled:
+        """Compile `step_fn(state_or_params, batch)` ahead of time with the plan's shardings and activation rules."""
+
+        def traced(*args):
+            with activation_sharding(self.mesh, self.rules):
+                return step_fn(*args)
+
+        in_shardings = in_shardings or tuple(jax.tree.map(lambda x: x.sharding, a) for a in abstract_args)
+        jitted = jax.jit(
+            traced,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            donate_argnums=(0,) if donate_state else (),
+        )
+        return jitted.lower(*abstract_args).compile()
+
+    def table(self) -> str:
+        """Parameter path, global shape, logical axes, PartitionSpec and bytes per device; then totals."""
+        rows = [("parameter", "shape", "logical axes", "spec", "bytes/device")]
+        flat_params = jax.tree_util.tree_flatten_with_path(self.abstract_state["params"])[0]
+        flat_names = jax.tree.leaves(self.model.logical_names, is_leaf=_is_names)
+        for (path, param), names in zip(flat_params, flat_names):
+            spec = tuple(param.sharding.spec) + (None,) * (len(param.shape) - len(param.sharding.spec))
+            rows.append(
+                (
+                    _path_str(path),
+                    str(tuple(param.shape)),
+                    " ".join(n or "-" for n in names),
+                    " ".join(_axes_str(s) for s in spec),
+                    _fmt_bytes(device_bytes(param)),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        params, opt = self.abstract_state["params"], self.abstract_state["opt_state"]
+        n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+        lines.append(
+            f"params: {n_params:,} ({_fmt_bytes(total_bytes(params))} total, {_fmt_bytes(tree_device_bytes(params))}"
+            f"/device); optimizer state: {_fmt_bytes(total_bytes(opt))} total, "
+            f"{_fmt_bytes(tree_device_bytes(opt))}/device"
+        )
+        return "\n".join(lines)
+
+
+def make_plan(mesh: Mesh, rules: ShardingRules, model: ModelParts, optimizer: optax.GradientTransformation) -> Plan:
+    """Shardings for params (from their logical names) and optimizer state (like the params they belong to)."""
+    param_specs = jax.tree.map(
+        lambda names, p, path: logical_to_spec(names, p.shape, rules.params, mesh, path),
+        model.logical_names,
+        model.abstract_params,
+        _path_tree(model.abstract_params),
+        is_leaf=_is_names,
+    )
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    # Moments shard like their parameters; counts and other scalars are replicated (optax's naive init would put
+    # them all on device 0).
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        abstract_opt,
+        shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    state = {"params": model.abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    state_shardings = {"params": shardings, "opt_state": opt_shardings, "step": replicated}
+    abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings
+    )
+    return Plan(mesh, rules, model, param_specs, abstract_state)
+
+
+def _path_tree(tree: PyTree) -> PyTree:
+    return jax.tree_util.tree_map_with_path(lambda path, _: _path_str(path), tree)
+
+
+def device_bytes(x: jax.ShapeDtypeStruct | jax.Array) -> int:
+    """Bytes one device holds of array `x` under its sharding."""
+    return math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+def tree_device_bytes(tree: PyTree) -> int:
+    return sum(device_bytes(x) for x in jax.tree.leaves(tree))
+
+
+def total_bytes(tree: PyTree) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _axes_str(axes: Any) -> str:
+    if axes is None:
+        return "-"
+    return "+".join(axes) if isinstance(axes, tuple) else str(axes)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def memory_report(compiled: jax.stages.Compiled) -> str:
+    """The compiled step's per-device memory: arguments, outputs, aliased (donated), temporaries, peak."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return "memory analysis: not available on this backend"
+    peak = getattr(m, "peak_memory_in_bytes", 0) or (
+        m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    )
+    return (
+        f"compiled step memory per device: arguments {_fmt_bytes(m.argument_size_in_bytes)}, outputs "
+        f"{_fmt_bytes(m.output_size_in_bytes)} (donated/aliased {_fmt_bytes(m.alias_size_in_bytes)}), temporaries "
+        f"{_fmt_bytes(m.temp_size_in_bytes)}, peak {_fmt_bytes(peak)}"
+    )

@@ -1,0 +1,171 @@
+"""The training run, top to bottom: mesh -> rules -> plan -> sharded init -> compiled step -> loop.
+
+from jaxtrain.config import default_config, apply_overrides
+from jaxtrain.run import train
+summary = train(apply_overrides(default_config("gpt-tiny"), ["steps=20", "mesh=data=2,tensor=2"]))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtrain.config import ConfigError, RunConfig
+from jaxtrain.data import Dataset, global_batch, make_dataset
+from jaxtrain.flops import peak_flops
+from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
+from jaxtrain.metrics import MetricsLog
+from jaxtrain.optim import make_optimizer
+from jaxtrain.plan import Plan, make_plan, memory_report, split_model
+from jaxtrain.rules import ShardingRules
+from jaxtrain.step import accumulate_gradients, eval_step, replica_gradients, train_step, value_and_grad
+from models import resolve_model
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a loop needs, built once: the plan, compiled steps, data, and the step's model FLOPs."""
+
+    cfg: RunConfig
+    plan: Plan
+    dataset: Dataset
+    train_step: jax.stages.Compiled
+    optimizer: Any
+    flops_per_step: float
+    tokens_per_step: int
+
+    def batch(self, split: str, step: int) -> dict[str, jax.Array]:
+        shardings = self.train_step.input_shardings[0][1]
+        return global_batch(self.dataset, split, step, self.cfg.data.batch_size, shardings)
+
+    @functools.cached_property
+    def compiled_eval(self) -> jax.stages.Compiled:
+        """Loss and metrics on a batch, without updating (compiled on first use)."""
+        plan = self.plan
+        return plan.compile(
+            functools.partial(eval_step, loss_fn=plan.model.loss_fn),
+            plan.abstract_state["params"],
+            plan.abstract_batch(self.dataset.shapes(self.cfg.data.batch_size)),
+            donate_state=False,
+            out_shardings=plan.replicated,
+        )
+
+
+def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None) -> Setup:
+    """Build mesh, rules, plan and data, and compile the train step (nothing runs yet).
+
+    `devices`: the devices the mesh spans (default: all of them).
+    """
+    spec, _ = resolve_model(cfg.model_name)
+    layout = parse_layout(cfg.mesh)
+    mesh = build_mesh(layout, devices)
+    rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
+    log(describe_mesh(mesh))
+
+    model = split_model(functools.partial(spec.module, cfg.model))
+    optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    plan = make_plan(mesh, rules, model, optimizer)
+    log(plan.table())
+
+    dataset = make_dataset(
+        cfg.data.source,
+        spec.task,
+        seq_len=cfg.data.seq_len,
+        seed=cfg.train.seed,
+        vocab_size=getattr(cfg.model, "vocab_size", 256),
+        val_fraction=cfg.data.val_fraction,
+    )
+    shapes = dataset.shapes(cfg.data.batch_size)
+    grad_fn = accumulate_gradients(value_and_grad(model.loss_fn), cfg.train.microbatches)
+    if cfg.train.grad_sync == "auto" and plan.is_pure_data_parallel() and mesh.size > 1:
+        grad_fn = replica_gradients(grad_fn, mesh, rules.batch_axes())
+    elif cfg.train.grad_sync not in ("auto", "xla"):
+        raise ConfigError(f"train.grad_sync='{cfg.train.grad_sync}': use auto or xla.")
+    step_fn = functools.partial(train_step, grad_fn=grad_fn, optimizer=optimizer, schedule=schedule)
+    compiled_train = plan.compile(
+        step_fn,
+        plan.abstract_state,
+        plan.abstract_batch(shapes, cfg.train.microbatches),
+        out_shardings=(plan.state_shardings, plan.replicated),
+    )
+    log(memory_report(compiled_train))
+    seq_len = cfg.data.seq_len if spec.task == "lm" else 1
+    return Setup(
+        cfg,
+        plan,
+        dataset,
+        compiled_train,
+        optimizer,
+        cfg.model.train_flops(cfg.data.batch_size, seq_len),
+        cfg.data.batch_size * seq_len,
+    )
+
+
+def evaluate(run: Setup, params: Any) -> dict[str, float]:
+    """Mean metrics over `eval_batches` fixed validation batches."""
+    results = [run.compiled_eval(params, run.batch("val", k)) for k in range(run.cfg.train.eval_batches)]
+    return {f"val_{k}": float(np.mean([jax.device_get(r[k]) for r in results])) for k in results[0]}
+
+
+def train(
+    cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None
+) -> dict[str, Any]:
+    """Run `cfg` to completion. Returns a summary: final metrics, throughput, and the logged history."""
+    run = setup(cfg, log, devices)
+    state = run.plan.init_state(run.optimizer, cfg.train.seed)
+    peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat))
+    log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
+
+    metrics_log = MetricsLog(cfg.train.metrics_file or None, cfg.train.steps, progress=cfg.train.progress)
+    history: list[dict[str, Any]] = []
+    steps_since_log, last_time = 0, time.perf_counter()
+    train_time, trained_steps = 0.0, 0
+    batch = run.batch("train", 0)
+    for step in range(cfg.train.steps):
+        state, metrics = run.train_step(state, batch)
+        if step + 1 < cfg.train.steps:
+            batch = run.batch("train", step + 1)  # built on the host while the device runs this step
+        steps_since_log += 1
+        done = step + 1
+        if done % cfg.train.log_every and done != cfg.train.steps and done % cfg.train.eval_every:
+            continue
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        elapsed = time.perf_counter() - last_time
+        if step > 0:  # the first step pays one-off costs (transfers, allocation); keep it out of throughput
+            train_time, trained_steps = train_time + elapsed, trained_steps + steps_since_log
+        metrics["tokens_per_sec"] = run.tokens_per_step * steps_since_log / elapsed
+        metrics["mfu"] = run.flops_per_step * steps_since_log / elapsed / peak
+        if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+            metrics.update(evaluate(run, state["params"]))
+        metrics_log.write(done, metrics)
+        history.append({"step": done, **metrics})
+        steps_since_log, last_time = 0, time.perf_counter()
+    metrics_log.close()
+
+    summary = _summary(run, history, train_time, trained_steps, peak)
+    log(
+        "done: "
+        + "  ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items() if k != "history"
+        )
+    )
+    return {**summary, "history": history, "state": state}
+
+
+def _summary(run: Setup, history: list[dict], train_time: float, trained_steps: int, peak: float) -> dict[str, Any]:
+    last = history[-1]
+    rate = trained_steps / train_time if trained_steps else float("nan")
+    return {
+        "steps": last["step"],
+        "loss": last["loss"],
+        **{k: v for k, v in last.items() if k.startswith("val_")},
+        "tokens_per_sec": rate * run.tokens_per_step,
+        "mfu": rate * run.flops_per_step / peak,
+        "step_time_s": 1 / rate if trained_steps else float("nan"),
+    }

@@ -1,0 +1,174 @@
+"""A decoder-only transformer (GPT): pre-norm (RMSNorm), rotary positions, causal attention, GELU MLP.
+
+Layers are stacked along a leading `layers` dim and run with `lax.scan`, so compile time does not grow with depth.
+Every parameter names its dims (`embed`, `heads`, `kv`, `mlp`, `vocab`, `layers`); the mapping to devices lives
+outside the model. Parameters are float32; `dtype` is the compute dtype (bfloat16 on TPU/GPU).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> with nnx.use_eager_sharding(False):
+    ...     model = GPT(PRESETS["tiny"](), nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+    (2, 16, 256)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtrain.constraints import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    n_layers: int = 4
+    d_model: int = 256
+    n_heads: int = 4
+    d_ff: int = 1024
+    dtype: str = "float32"
+    remat: str = "none"  # none | full | save_dots: what the backward pass recomputes per block
+    rope_base: float = 10_000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}.")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat='{self.remat}' is not one of {sorted(REMAT_POLICIES)}.")
+
+    def num_params(self) -> int:
+        per_layer = 4 * self.d_model * self.d_model + 2 * self.d_model * self.d_ff + 2 * self.d_model
+        return self.n_layers * per_layer + 2 * self.vocab_size * self.d_model + self.d_model
+
+    def train_flops(self, batch_size: int, seq_len: int) -> float:
+        """Model FLOPs of one training step: 6 x matmul params per token, plus causal attention.
+
+        Attention per token and layer: QK^T and AV are 2 x 2*T*D forward, x3 with backward, halved by the mask.
+        The embedding lookup is not a matmul and does not count.
+        """
+        matmul_params = self.num_params() - self.vocab_size * self.d_model - (2 * self.n_layers + 1) * self.d_model
+        per_token = 6.0 * matmul_params + 6.0 * self.n_layers * seq_len * self.d_model
+        return per_token * batch_size * seq_len
+
+
+PRESETS = {
+    "tiny": lambda: GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256),
+    "cpu": lambda: GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=4, d_ff=1024),
+    "small": lambda: GPTConfig(vocab_size=50304, n_layers=12, d_model=768, n_heads=12, d_ff=3072, dtype="bfloat16"),
+    "medium": lambda: GPTConfig(vocab_size=50304, n_layers=24, d_model=1024, n_heads=16, d_ff=4096, dtype="bfloat16"),
+    "1b": lambda: GPTConfig(vocab_size=50304, n_layers=16, d_model=2048, n_heads=16, d_ff=8192, dtype="bfloat16"),
+}
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std, out_sharding=names)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+    # Statistics in float32 even when the compute dtype is bfloat16.
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale).astype(x.dtype)
+
+
+def rotary(x: jax.Array, base: float) -> jax.Array:
+    """Rotate pairs of channels by a position-dependent angle (RoPE). x: (B, T, H, K)."""
+    _, seq_len, _, head_dim = x.shape
+    freqs = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # (K/2,)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freqs  # (T, K/2)
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+class Block(nnx.Module):
+    """One transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d, h, k, f = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff
+        out_std = 0.02 / (2 * cfg.n_layers) ** 0.5  # GPT-2: residual writes shrink with depth
+        self.cfg = cfg
+        self.attn_norm = nnx.Param(jnp.ones((d,)), out_sharding=("norm",))
+        self.w_qkv = _param(rngs, (d, 3, h, k), ("embed", "qkv", "heads", "kv"), 0.02)
+        self.w_out = _param(rngs, (h, k, d), ("heads", "kv", "embed"), out_std)
+        self.mlp_norm = nnx.Param(jnp.ones((d,)), out_sharding=("norm",))
+        self.w_in = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), out_std)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # x: (B, T, D)
+        x = x + self.attention(rms_norm(x, self.attn_norm[...]))
+        x = x + self.mlp(rms_norm(x, self.mlp_norm[...]))
+        return constrain(x, ("batch", "seq", "embed"))
+
+    def attention(self, x: jax.Array) -> jax.Array:
+        dtype, head_dim = x.dtype, self.cfg.head_dim
+        qkv = jnp.einsum("btd,dchk->cbthk", x, self.w_qkv[...].astype(dtype))  # (3, B, T, H, K)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        q, k = rotary(q, self.cfg.rope_base), rotary(k, self.cfg.rope_base)
+        scores = jnp.einsum("bthk,bshk->bhts", q, k).astype(jnp.float32) / head_dim**0.5  # (B, H, T, T)
+        seq_len = x.shape[1]
+        causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(dtype)
+        mixed = jnp.einsum("bhts,bshk->bthk", probs, v)  # (B, T, H, K)
+        return jnp.einsum("bthk,hkd->btd", mixed, self.w_out[...].astype(dtype))
+
+    def mlp(self, x: jax.Array) -> jax.Array:
+        hidden = jax.nn.gelu(jnp.einsum("btd,df->btf", x, self.w_in[...].astype(x.dtype)))  # (B, T, F)
+        hidden = constrain(hidden, ("batch", "seq", "mlp"))
+        return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(x.dtype))
+
+
+class GPT(nnx.Module):
+    """Token embedding, `n_layers` stacked blocks run by `lax.scan`, final norm and an untied output head."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)), out_sharding=("norm",))
+        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:  # tokens: (B, T) -> logits (B, T, V) float32
+        dtype = jnp.dtype(self.cfg.dtype)
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)  # (B, T, D)
+        x = constrain(x, ("batch", "seq", "embed"))
+        block_def, block_params = nnx.split(self.blocks)
+
+        def layer(x, params):
+            return nnx.merge(block_def, params)(x), None
+
+        policy = REMAT_POLICIES[self.cfg.remat]
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, block_params)
+        x = rms_norm(x, self.final_norm[...])
+        logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(dtype)).astype(jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+    def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Mean next-token cross-entropy (nats/token). batch["tokens"]: (B, T + 1)."""
+        tokens = batch["tokens"]
+        logits = self(tokens[:, :-1])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return loss, {}

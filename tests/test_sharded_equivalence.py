@@ -1,0 +1,71 @@
+"""Every mesh computes the same training run as one device: losses step by step, and the gradients."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from conftest import shared_file
+from helpers import losses, make_run
+
+from jaxtrain.step import value_and_grad
+
+MESHES = [  # (layout, devices)
+    ("data=8", 8),
+    ("fsdp=8", 8),
+    ("tensor=4", 4),
+    ("data=2,fsdp=2,tensor=2", 8),
+    ("data=2,tensor=4", 8),
+]
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    return losses(make_run("single", devices=1))
+
+
+@pytest.mark.parametrize("mesh,devices", MESHES)
+def test_losses_match_single_device(mesh, devices, reference_losses):
+    sharded = losses(make_run(mesh, devices=devices))
+    np.testing.assert_allclose(sharded, reference_losses, rtol=1e-5)
+    assert sharded[-1] < sharded[0]  # it is training, not replaying a constant
+
+
+def gradients(mesh: str, devices: int):
+    run = make_run(mesh, devices=devices)
+    params = run.plan.init_state(run.optimizer, 0)["params"]
+    grad = run.plan.compile(
+        value_and_grad(run.plan.model.loss_fn),
+        run.plan.abstract_state["params"],
+        run.plan.abstract_batch(run.dataset.shapes(8)),
+        donate_state=False,
+    )
+    return jax.device_get(grad(params, run.batch("train", 0))[1])
+
+
+@pytest.mark.parametrize("mesh,devices", [("fsdp=8", 8), ("data=2,fsdp=2,tensor=2", 8)])
+def test_gradients_match_single_device(mesh, devices):
+    reference, sharded = gradients("single", 1), gradients(mesh, devices)
+    for ref, got in zip(jax.tree.leaves(reference), jax.tree.leaves(sharded)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("mesh", ["single", "data=8", "data=2,fsdp=2,tensor=2"])
+def test_gradient_accumulation_equals_one_batch(mesh):
+    devices = 1 if mesh == "single" else 8
+    whole = losses(make_run(mesh, ["batch_size=32"], devices=devices))
+    accumulated = losses(make_run(mesh, ["batch_size=32", "microbatches=4"], devices=devices))
+    np.testing.assert_allclose(accumulated, whole, rtol=1e-5)
+
+
+def test_fused_data_parallel_sync_equals_xla_placement():
+    fused = losses(make_run("data=8"))
+    by_xla = losses(make_run("data=8", ["grad_sync=xla"]))
+    np.testing.assert_allclose(fused, by_xla, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", ["data=8", "data=2,tensor=4"])
+def test_mlp_matches_single_device(mesh):
+    digits = str(shared_file("digits.csv.gz"))
+    mlp = functools.partial(make_run, model="mlp", overrides=[f"data.source={digits}", "batch_size=64"])
+    np.testing.assert_allclose(losses(mlp(mesh)), losses(mlp("single", devices=1)), rtol=1e-5)

@@ -43,7 +43,9 @@ class DataConfig:
 class TrainConfig:
     steps: int = 300
     microbatches: int = 1  # gradient accumulation: the global batch is split into this many sequential pieces
-    grad_sync: str = "auto"  # auto: one fused all-reduce when purely data parallel, else XLA's placement | xla
+    # xla: the compiler places gradient reductions (per layer, inside the backward loop, where they can overlap
+    # compute). fused: pure data parallel only, one all-reduce of the whole gradient per step.
+    grad_sync: str = "xla"
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4

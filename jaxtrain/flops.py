@@ -1,6 +1,6 @@
 """Peak FLOP/s of the devices in use, for MFU = model FLOPs/s / peak FLOPs/s.
 
-Accelerators: dense bf16 peak per chip from the vendors' data sheets. CPU: measured once with a short f32 matmul
+Accelerators: dense bf16 peak per chip from the vendors' data sheets. CPU: measured once with a short matmul
 benchmark over all devices at once (simulated devices share the same cores, so the whole machine's rate is the
 peak, not a per-device figure) and cached in ~/.cache/jaxtrain.
 """
@@ -41,27 +41,37 @@ def accelerator_peak(device_kind: str) -> float | None:
     return None
 
 
-def peak_flops(devices: Sequence[jax.Device]) -> tuple[float, str]:
-    """(peak FLOP/s of all `devices` together, where the figure comes from)."""
+def peak_flops(devices: Sequence[jax.Device], dtype: str = "bfloat16") -> tuple[float, str]:
+    """(peak FLOP/s of all `devices` together, where the figure comes from).
+
+    On CPU the peak is measured for the compute `dtype`: CPUs with AMX or AVX512-BF16 multiply bfloat16 several
+    times faster than float32, so a float32 peak would overstate the MFU of a bfloat16 run.
+    """
     kind = devices[0].device_kind
     if devices[0].platform == "cpu":
-        return cpu_peak_flops(devices), "measured f32 matmul peak of this CPU (cached)"
+        return cpu_peak_flops(devices, dtype), f"measured {dtype} matmul peak of this CPU (cached)"
     per_chip = accelerator_peak(kind)
     if per_chip is None:
         raise ValueError(f"no peak FLOP/s known for device kind '{kind}'; add it to PEAK_BF16_PER_CHIP.")
     return per_chip * len(devices), f"bf16 data-sheet peak of {kind} x {len(devices)}"
 
 
-def cpu_peak_flops(devices: Sequence[jax.Device], size: int = 2048, repeats: int = 3) -> float:
-    """Best f32 matmul rate of the whole machine: one (size x size) matmul per device, all devices at once."""
-    key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}cpu-{len(devices)}dev-jax{jax.__version__}"
+def cpu_peak_flops(devices: Sequence[jax.Device], dtype: str = "float32", size: int = 2048, repeats: int = 3) -> float:
+    """Best matmul rate of the whole machine: one (size x size) matmul per device, all devices at once.
+
+    Set JAXTRAIN_CPU_PEAK_FLOPS to skip the measurement (e.g. on a machine busy with other work).
+    """
+    if os.environ.get("JAXTRAIN_CPU_PEAK_FLOPS"):
+        return float(os.environ["JAXTRAIN_CPU_PEAK_FLOPS"])
+    cpu = platform.processor() or platform.machine()
+    key = f"{cpu}-{os.cpu_count()}cpu-{len(devices)}dev-{dtype}-jax{jax.__version__}"
     cache = CACHE_DIR / "cpu_peak_flops.json"
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     if key in known:
         return known[key]
     mesh = Mesh(list(devices), ("d",))
     sharding = NamedSharding(mesh, PartitionSpec("d"))
-    a = jax.device_put(jnp.ones((len(devices), size, size), jnp.float32), sharding)
+    a = jax.device_put(jnp.ones((len(devices), size, size), dtype), sharding)
     matmul = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x), out_shardings=sharding)
     matmul(a).block_until_ready()
     best = float("inf")

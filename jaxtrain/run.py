@@ -83,10 +83,13 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     )
     shapes = dataset.shapes(cfg.data.batch_size)
     grad_fn = accumulate_gradients(value_and_grad(model.loss_fn), cfg.train.microbatches)
-    if cfg.train.grad_sync == "auto" and plan.is_pure_data_parallel() and mesh.size > 1:
+    if cfg.train.grad_sync == "fused":
+        if not plan.is_pure_data_parallel():
+            raise ConfigError("train.grad_sync=fused needs a purely data-parallel mesh (every parameter replicated); "
+                              f"mesh '{cfg.mesh}' shards parameters. Use grad_sync=xla.")
         grad_fn = replica_gradients(grad_fn, mesh, rules.batch_axes())
-    elif cfg.train.grad_sync not in ("auto", "xla"):
-        raise ConfigError(f"train.grad_sync='{cfg.train.grad_sync}': use auto or xla.")
+    elif cfg.train.grad_sync != "xla":
+        raise ConfigError(f"train.grad_sync='{cfg.train.grad_sync}': use xla or fused.")
     step_fn = functools.partial(train_step, grad_fn=grad_fn, optimizer=optimizer, schedule=schedule)
     compiled_train = plan.compile(
         step_fn,
@@ -116,56 +119,66 @@ def evaluate(run: Setup, params: Any) -> dict[str, float]:
 def train(
     cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None
 ) -> dict[str, Any]:
-    """Run `cfg` to completion. Returns a summary: final metrics, throughput, and the logged history."""
+    """Run `cfg` to completion. Returns a summary: final metrics, throughput, the logged history and the state."""
     run = setup(cfg, log, devices)
     state = run.plan.init_state(run.optimizer, cfg.train.seed)
-    peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat))
+    peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
     log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
 
-    metrics_log = MetricsLog(cfg.train.metrics_file or None, cfg.train.steps, progress=cfg.train.progress)
-    history: list[dict[str, Any]] = []
-    steps_since_log, last_time = 0, time.perf_counter()
-    train_time, trained_steps = 0.0, 0
+    recorder = Recorder(run, peak, MetricsLog(cfg.train.metrics_file or None, cfg.train.steps, cfg.train.progress))
+    steps, pending = cfg.train.steps, None
     batch = run.batch("train", 0)
-    for step in range(cfg.train.steps):
+    for step in range(steps):
         state, metrics = run.train_step(state, batch)
-        if step + 1 < cfg.train.steps:
-            batch = run.batch("train", step + 1)  # built on the host while the device runs this step
-        steps_since_log += 1
         done = step + 1
-        if done % cfg.train.log_every and done != cfg.train.steps and done % cfg.train.eval_every:
-            continue
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        elapsed = time.perf_counter() - last_time
-        if step > 0:  # the first step pays one-off costs (transfers, allocation); keep it out of throughput
-            train_time, trained_steps = train_time + elapsed, trained_steps + steps_since_log
-        metrics["tokens_per_sec"] = run.tokens_per_step * steps_since_log / elapsed
-        metrics["mfu"] = run.flops_per_step * steps_since_log / elapsed / peak
-        if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
-            metrics.update(evaluate(run, state["params"]))
-        metrics_log.write(done, metrics)
-        history.append({"step": done, **metrics})
-        steps_since_log, last_time = 0, time.perf_counter()
-    metrics_log.close()
+        if pending:  # read the previous step's metrics only now, while the device runs this step
+            recorder.record(*pending)
+            pending = None
+        if done < steps:
+            batch = run.batch("train", done)  # built on the host while the device computes
+        if done % cfg.train.eval_every == 0 or done == steps:
+            recorder.record(done, metrics, evaluate(run, state["params"]))  # before the next step donates state
+        elif done % cfg.train.log_every == 0:
+            pending = (done, metrics)
+    recorder.close()
 
-    summary = _summary(run, history, train_time, trained_steps, peak)
-    log(
-        "done: "
-        + "  ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items() if k != "history"
-        )
-    )
-    return {**summary, "history": history, "state": state}
+    summary = recorder.summary()
+    log("done: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    return {**summary, "history": recorder.history, "state": state}
 
 
-def _summary(run: Setup, history: list[dict], train_time: float, trained_steps: int, peak: float) -> dict[str, Any]:
-    last = history[-1]
-    rate = trained_steps / train_time if trained_steps else float("nan")
-    return {
-        "steps": last["step"],
-        "loss": last["loss"],
-        **{k: v for k, v in last.items() if k.startswith("val_")},
-        "tokens_per_sec": rate * run.tokens_per_step,
-        "mfu": rate * run.flops_per_step / peak,
-        "step_time_s": 1 / rate if trained_steps else float("nan"),
-    }
+class Recorder:
+    """Turns step metrics into log records with throughput and MFU, and keeps the history."""
+
+    def __init__(self, run: Setup, peak: float, sink: MetricsLog):
+        self.run, self.peak, self.sink = run, peak, sink
+        self.history: list[dict[str, Any]] = []
+        self.last_step, self.last_time = 0, time.perf_counter()
+        self.train_time, self.trained_steps = 0.0, 0
+
+    def record(self, step: int, metrics: dict[str, jax.Array], extra: dict[str, float] | None = None) -> None:
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        elapsed, steps = time.perf_counter() - self.last_time, step - self.last_step
+        if self.last_step > 0:  # the first interval pays one-off costs (allocation, warm-up): not throughput
+            self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + steps
+        values["tokens_per_sec"] = self.run.tokens_per_step * steps / elapsed
+        values["mfu"] = self.run.flops_per_step * steps / elapsed / self.peak
+        values.update(extra or {})
+        self.sink.write(step, values)
+        self.history.append({"step": step, **values})
+        self.last_step, self.last_time = step, time.perf_counter()  # evaluation time is not training time
+
+    def close(self) -> None:
+        self.sink.close()
+
+    def summary(self) -> dict[str, Any]:
+        last = self.history[-1]
+        rate = self.trained_steps / self.train_time if self.trained_steps else float("nan")
+        return {
+            "steps": last["step"],
+            "loss": last["loss"],
+            **{k: v for k, v in last.items() if k.startswith("val_")},
+            "tokens_per_sec": rate * self.run.tokens_per_step,
+            "mfu": rate * self.run.flops_per_step / self.peak,
+            "step_time_s": 1 / rate,
+        }

@@ -31,7 +31,7 @@ class GPTConfig:
     d_model: int = 256
     n_heads: int = 4
     d_ff: int = 1024
-    dtype: str = "float32"
+    dtype: str = "bfloat16"  # compute dtype; params stay float32
     remat: str = "none"  # none | full | save_dots: what the backward pass recomputes per block
     rope_base: float = 10_000.0
 
@@ -61,11 +61,12 @@ class GPTConfig:
 
 
 PRESETS = {
-    "tiny": lambda: GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256),
-    "cpu": lambda: GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=4, d_ff=1024),
-    "small": lambda: GPTConfig(vocab_size=50304, n_layers=12, d_model=768, n_heads=12, d_ff=3072, dtype="bfloat16"),
-    "medium": lambda: GPTConfig(vocab_size=50304, n_layers=24, d_model=1024, n_heads=16, d_ff=4096, dtype="bfloat16"),
-    "1b": lambda: GPTConfig(vocab_size=50304, n_layers=16, d_model=2048, n_heads=16, d_ff=8192, dtype="bfloat16"),
+    "tiny": lambda: GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256, dtype="float32"),
+    # remat=full is ~20% faster than none on CPU (less memory traffic; measured by scripts/benchmark.py variants).
+    "cpu": lambda: GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=4, d_ff=1024, remat="full"),
+    "small": lambda: GPTConfig(vocab_size=50304, n_layers=12, d_model=768, n_heads=12, d_ff=3072),
+    "medium": lambda: GPTConfig(vocab_size=50304, n_layers=24, d_model=1024, n_heads=16, d_ff=4096),
+    "1b": lambda: GPTConfig(vocab_size=50304, n_layers=16, d_model=2048, n_heads=16, d_ff=8192),
 }
 
 REMAT_POLICIES = {
@@ -86,13 +87,16 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
     return (normed * scale).astype(x.dtype)
 
 
-def rotary(x: jax.Array, base: float) -> jax.Array:
-    """Rotate pairs of channels by a position-dependent angle (RoPE). x: (B, T, H, K)."""
-    _, seq_len, _, head_dim = x.shape
+def rotary_angles(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """sin and cos of RoPE's position-dependent angles, each (1, T, 1, K/2); computed once, shared by all layers."""
     freqs = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # (K/2,)
     angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freqs  # (T, K/2)
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+
+
+def rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotate pairs of channels by a position-dependent angle (RoPE). x: (B, T, H, K)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # (B, T, H, K/2) each
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
@@ -110,16 +114,16 @@ class Block(nnx.Module):
         self.w_in = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), out_std)
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # x: (B, T, D)
-        x = x + self.attention(rms_norm(x, self.attn_norm[...]))
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:  # x: (B, T, D)
+        x = x + self.attention(rms_norm(x, self.attn_norm[...]), rope)
         x = x + self.mlp(rms_norm(x, self.mlp_norm[...]))
         return constrain(x, ("batch", "seq", "embed"))
 
-    def attention(self, x: jax.Array) -> jax.Array:
+    def attention(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
         dtype, head_dim = x.dtype, self.cfg.head_dim
         qkv = jnp.einsum("btd,dchk->cbthk", x, self.w_qkv[...].astype(dtype))  # (3, B, T, H, K)
         q, k, v = qkv[0], qkv[1], qkv[2]
-        q, k = rotary(q, self.cfg.rope_base), rotary(k, self.cfg.rope_base)
+        q, k = rotary(q, *rope), rotary(k, *rope)
         scores = jnp.einsum("bthk,bshk->bhts", q, k).astype(jnp.float32) / head_dim**0.5  # (B, H, T, T)
         seq_len = x.shape[1]
         causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
@@ -154,9 +158,10 @@ class GPT(nnx.Module):
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)  # (B, T, D)
         x = constrain(x, ("batch", "seq", "embed"))
         block_def, block_params = nnx.split(self.blocks)
+        rope = rotary_angles(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_base)
 
         def layer(x, params):
-            return nnx.merge(block_def, params)(x), None
+            return nnx.merge(block_def, params)(x, rope), None
 
         policy = REMAT_POLICIES[self.cfg.remat]
         if self.cfg.remat != "none":

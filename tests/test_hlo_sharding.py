@@ -29,12 +29,21 @@ def weight_shapes(run):
 
 
 def test_data_parallel_one_fused_gradient_all_reduce_and_no_gathers():
-    run, found = compiled_collectives("data=8")
+    run, found = compiled_collectives("data=8", overrides=["grad_sync=fused", "microbatches=2", "batch_size=16"])
     assert [c.kind for c in found] == ["all-reduce"]
     (reduce,) = found
-    assert reduce.executions == 1 and reduce.group_size == 8
+    assert reduce.executions == 1 and reduce.group_size == 8  # once per step, even with gradient accumulation
     param_bytes = total_bytes(run.plan.abstract_state["params"])
     assert param_bytes <= reduce.bytes <= param_bytes + 64  # the gradient plus loss/metric scalars
+
+
+def test_data_parallel_by_xla_reduces_each_layer_in_the_backward_loop():
+    run, found = compiled_collectives("data=8")
+    assert {c.kind for c in found} == {"all-reduce"}  # never gathers a parameter
+    in_loop = [c for c in found if c.executions == run.cfg.model.n_layers]
+    assert len(in_loop) == 1 and all(c.group_size == 8 for c in found)
+    param_bytes = total_bytes(run.plan.abstract_state["params"])
+    assert param_bytes <= sum(c.bytes * c.executions for c in found) <= param_bytes + 64
 
 
 def test_tensor_parallel_reduces_activations_in_blocks_and_never_gathers_weights():

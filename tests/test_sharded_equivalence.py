@@ -58,10 +58,16 @@ def test_gradient_accumulation_equals_one_batch(mesh):
     np.testing.assert_allclose(accumulated, whole, rtol=1e-5)
 
 
-def test_fused_data_parallel_sync_equals_xla_placement():
-    fused = losses(make_run("data=8"))
-    by_xla = losses(make_run("data=8", ["grad_sync=xla"]))
+@pytest.mark.parametrize("overrides", [[], ["microbatches=2", "batch_size=16"]])
+def test_fused_data_parallel_sync_equals_xla_placement(overrides):
+    fused = losses(make_run("data=8", ["grad_sync=fused", *overrides]))
+    by_xla = losses(make_run("data=8", overrides))
     np.testing.assert_allclose(fused, by_xla, rtol=1e-5)
+
+
+def test_fused_sync_refuses_sharded_parameters():
+    with pytest.raises(ValueError, match="grad_sync=fused needs a purely data-parallel mesh"):
+        make_run("fsdp=8", ["grad_sync=fused"])
 
 
 @pytest.mark.parametrize("mesh", ["data=8", "data=2,tensor=4"])

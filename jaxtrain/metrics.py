@@ -18,7 +18,6 @@ class MetricsLog:
         self,
         path: str | None,
         total_steps: int,
-        first_step: int = 0,
         progress: bool = True,
         stream: TextIO = sys.stderr,
     ):
@@ -27,12 +26,8 @@ class MetricsLog:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "a")
         self.stream = stream
-        self.bar = (
-            tqdm(total=total_steps, initial=first_step, file=stream, unit="step", dynamic_ncols=True)
-            if progress
-            else None
-        )
-        self.step = first_step
+        self.bar = tqdm(total=total_steps, file=stream, unit="step", dynamic_ncols=True) if progress else None
+        self.step = 0
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

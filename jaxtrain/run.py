@@ -85,8 +85,10 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     grad_fn = accumulate_gradients(value_and_grad(model.loss_fn), cfg.train.microbatches)
     if cfg.train.grad_sync == "fused":
         if not plan.is_pure_data_parallel():
-            raise ConfigError("train.grad_sync=fused needs a purely data-parallel mesh (every parameter replicated); "
-                              f"mesh '{cfg.mesh}' shards parameters. Use grad_sync=xla.")
+            raise ConfigError(
+                "train.grad_sync=fused needs a purely data-parallel mesh (every parameter replicated); "
+                f"mesh '{cfg.mesh}' shards parameters. Use grad_sync=xla."
+            )
         grad_fn = replica_gradients(grad_fn, mesh, rules.batch_axes())
     elif cfg.train.grad_sync != "xla":
         raise ConfigError(f"train.grad_sync='{cfg.train.grad_sync}': use xla or fused.")
@@ -125,7 +127,8 @@ def train(
     peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
     log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
 
-    recorder = Recorder(run, peak, MetricsLog(cfg.train.metrics_file or None, cfg.train.steps, cfg.train.progress))
+    sink = MetricsLog(cfg.train.metrics_file or None, cfg.train.steps, progress=cfg.train.progress)
+    recorder = Recorder(run, peak, sink)
     steps, pending = cfg.train.steps, None
     batch = run.batch("train", 0)
     for step in range(steps):

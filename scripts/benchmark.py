@@ -32,8 +32,16 @@ sys.path.insert(0, str(ROOT))
 
 # The shape MaxText was measured on: 4 layers, d_model 256, 4 heads x 64, GELU MLP 1024, vocab 256, seq 256,
 # global batch 8, random tokens.
-SHAPE = ["n_layers=4", "d_model=256", "n_heads=4", "d_ff=1024", "vocab_size=256", "seq_len=256", "batch_size=8",
-         "data.source=synthetic"]
+SHAPE = [
+    "n_layers=4",
+    "d_model=256",
+    "n_heads=4",
+    "d_ff=1024",
+    "vocab_size=256",
+    "seq_len=256",
+    "batch_size=8",
+    "data.source=synthetic",
+]
 MESHES = ["fsdp=8", "data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2", "tensor=8"]
 
 
@@ -76,8 +84,11 @@ def interleaved(timers: dict, rounds: int, steps: int) -> dict[str, float]:
 
 
 def throughput(run, seconds: float, peak: float) -> dict:
-    return {"step_time_s": round(seconds, 4), "tokens_per_sec": round(run.tokens_per_step / seconds, 1),
-            "mfu": round(run.flops_per_step / seconds / peak, 4)}
+    return {
+        "step_time_s": round(seconds, 4),
+        "tokens_per_sec": round(run.tokens_per_step / seconds, 1),
+        "mfu": round(run.flops_per_step / seconds / peak, 4),
+    }
 
 
 def bench_meshes(args, peak) -> dict:
@@ -88,8 +99,11 @@ def bench_meshes(args, peak) -> dict:
 
 
 def bench_variants(args, peak) -> dict:
-    variants = {f"{dtype},remat={remat}": [f"dtype={dtype}", f"remat={remat}"]
-                for dtype in ("bfloat16", "float32") for remat in ("none", "save_dots", "full")}
+    variants = {
+        f"{dtype},remat={remat}": [f"dtype={dtype}", f"remat={remat}"]
+        for dtype in ("bfloat16", "float32")
+        for remat in ("none", "save_dots", "full")
+    }
     runs = {name: make(args.mesh, extra) for name, extra in variants.items()}
     times = interleaved({name: stepper(run) for name, run in runs.items()}, args.rounds, args.steps)
     return {"mesh": args.mesh, **{name: throughput(runs[name], t, peak) for name, t in times.items()}}
@@ -114,8 +128,12 @@ def minimal_step(run):
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, {"loss": value}
 
     batch_sharding = run.train_step.input_shardings[0][1]
-    return jax.jit(step, in_shardings=(plan.state_shardings, batch_sharding),
-                   out_shardings=(plan.state_shardings, plan.replicated), donate_argnums=0)
+    return jax.jit(
+        step,
+        in_shardings=(plan.state_shardings, batch_sharding),
+        out_shardings=(plan.state_shardings, plan.replicated),
+        donate_argnums=0,
+    )
 
 
 def bench_overhead(args, peak) -> dict:
@@ -124,10 +142,14 @@ def bench_overhead(args, peak) -> dict:
         run = make(mesh)
         ours, hand = stepper(run), stepper(run)
         plain = minimal_step(run)
-        times = interleaved({"jaxtrain": ours, "minimal_jit": functools.partial(hand, step=plain)},
-                            args.rounds, args.steps)
-        results[mesh] = {**{k: round(v, 4) for k, v in times.items()},
-                         "ratio": round(times["jaxtrain"] / times["minimal_jit"], 3), "target": "<= 1.05"}
+        times = interleaved(
+            {"jaxtrain": ours, "minimal_jit": functools.partial(hand, step=plain)}, args.rounds, args.steps
+        )
+        results[mesh] = {
+            **{k: round(v, 4) for k, v in times.items()},
+            "ratio": round(times["jaxtrain"] / times["minimal_jit"], 3),
+            "target": "<= 1.05",
+        }
     return results
 
 
@@ -139,13 +161,18 @@ def bench_compile(args, peak) -> dict:
             start = time.perf_counter()
             make("fsdp=8", [f"n_layers={layers}"])
             seconds[layers] = min(seconds.get(layers, float("inf")), time.perf_counter() - start)
-    return {"layers_4_s": round(seconds[4], 2), "layers_32_s": round(seconds[32], 2),
-            "ratio": round(seconds[32] / seconds[4], 3), "target": "<= 1.5"}
+    return {
+        "layers_4_s": round(seconds[4], 2),
+        "layers_32_s": round(seconds[32], 2),
+        "ratio": round(seconds[32] / seconds[4], 3),
+        "target": "<= 1.5",
+    }
 
 
 def run_maxtext(steps: int) -> dict:
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "maxtext_baseline.sh"), str(steps)],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "maxtext_baseline.sh"), str(steps)], capture_output=True, text=True, check=True
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -158,22 +185,51 @@ def bench_maxtext(args, peak) -> dict:
         log(f"maxtext round {round_index + 1}/{args.maxtext_rounds}")
         ours.append(run_ours(args.maxtext_steps))
         theirs.append(run_maxtext(args.maxtext_steps)["tokens_per_sec"])
-    return {"jaxtrain_tokens_per_sec": ours, "maxtext_tokens_per_sec": theirs,
-            "ratio_of_medians": round(statistics.median(ours) / statistics.median(theirs), 3), "target": ">= 1.3"}
+    return {
+        "jaxtrain_tokens_per_sec": ours,
+        "maxtext_tokens_per_sec": theirs,
+        "ratio_of_medians": round(statistics.median(ours) / statistics.median(theirs), 3),
+        "target": ">= 1.3",
+    }
 
 
 def run_ours(steps: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--simulated-devices", "8", "--mesh",
-                        "fsdp=8", "--steps", str(steps), "--log-every", "1", "--eval-every", "100000", "--no-progress",
-                        "--metrics-file", str(metrics), *SHAPE], capture_output=True, text=True, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "train.py"),
+                "--simulated-devices",
+                "8",
+                "--mesh",
+                "fsdp=8",
+                "--steps",
+                str(steps),
+                "--log-every",
+                "1",
+                "--eval-every",
+                "100000",
+                "--no-progress",
+                "--metrics-file",
+                str(metrics),
+                *SHAPE,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return round(statistics.median(r["tokens_per_sec"] for r in records if r["step"] > 10), 1)
 
 
-SECTIONS = {"meshes": bench_meshes, "variants": bench_variants, "overhead": bench_overhead,
-            "compile": bench_compile, "maxtext": bench_maxtext}
+SECTIONS = {
+    "meshes": bench_meshes,
+    "variants": bench_variants,
+    "overhead": bench_overhead,
+    "compile": bench_compile,
+    "maxtext": bench_maxtext,
+}
 
 
 def main() -> None:
@@ -192,8 +248,13 @@ def main() -> None:
     from jaxtrain.flops import peak_flops
 
     peak, source = peak_flops(jax.devices(), "bfloat16")
-    report = {"jax": jax.__version__, "devices": args.devices, "peak_flops": peak, "peak_source": source,
-              "shape": SHAPE}
+    report = {
+        "jax": jax.__version__,
+        "devices": args.devices,
+        "peak_flops": peak,
+        "peak_source": source,
+        "shape": SHAPE,
+    }
     for name in args.only.split(","):
         log(f"benchmark: {name}")
         report[name] = SECTIONS[name](args, peak)

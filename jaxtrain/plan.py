@@ -255,11 +255,11 @@ def memory_report(compiled: jax.stages.Compiled) -> str:
     m = compiled.memory_analysis()
     if m is None:
         return "memory analysis: not available on this backend"
-    peak = getattr(m, "peak_memory_in_bytes", 0) or (
-        m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    )
+    bound = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    peak = getattr(m, "peak_memory_in_bytes", 0)
     return (
         f"compiled step memory per device: arguments {_fmt_bytes(m.argument_size_in_bytes)}, outputs "
         f"{_fmt_bytes(m.output_size_in_bytes)} (donated/aliased {_fmt_bytes(m.alias_size_in_bytes)}), temporaries "
-        f"{_fmt_bytes(m.temp_size_in_bytes)}, peak {_fmt_bytes(peak)}"
+        f"{_fmt_bytes(m.temp_size_in_bytes)}; at most {_fmt_bytes(bound)} live"
+        + (f" (XLA's peak estimate {_fmt_bytes(peak)})" if peak else "")
     )

@@ -1,8 +1,9 @@
 """The training run, top to bottom: mesh -> rules -> plan -> sharded init -> compiled step -> loop.
 
-from jaxtrain.config import default_config, apply_overrides
-from jaxtrain.run import train
-summary = train(apply_overrides(default_config("gpt-tiny"), ["steps=20", "mesh=data=2,tensor=2"]))
+>>> from jaxtrain.config import apply_overrides, default_config
+>>> cfg = apply_overrides(default_config("gpt-tiny"), ["steps=20", "mesh=data=2,tensor=2"])
+>>> summary = train(cfg)                                    # doctest: +SKIP
+>>> summary["loss"], summary["tokens_per_sec"]              # doctest: +SKIP
 """
 
 from __future__ import annotations

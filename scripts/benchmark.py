@@ -42,7 +42,7 @@ SHAPE = [
     "batch_size=8",
     "data.source=synthetic",
 ]
-MESHES = ["fsdp=8", "data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2", "tensor=8"]
+MESHES = ["fsdp=8", "data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2", "data=2,tensor=4"]
 
 
 def log(message: str) -> None:

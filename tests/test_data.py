@@ -8,6 +8,7 @@ from helpers import make_run
 
 from jaxtrain.data import DataError, Digits, SyntheticTokens, builtin_text, global_batch, make_dataset
 from jaxtrain.plan import PlanError
+from jaxtrain.rules import ShardingRuleError
 
 
 def test_builtin_text_is_real_and_deterministic():
@@ -59,6 +60,16 @@ def test_batch_not_divisible_by_batch_axes():
         r"on the batch axes \(data=8\). Use a batch size that is a multiple of 8",
     ):
         make_run("data=8", ["batch_size=6"])
+
+
+def test_parameter_not_divisible_by_its_axes_names_it():
+    # gpt-tiny has 4 heads: 8-way tensor parallelism cannot split them.
+    with pytest.raises(
+        ShardingRuleError,
+        match=r"'blocks/w_out': dimension 'heads' of size 4 is not divisible by "
+        r"mesh axes \('tensor',\)",
+    ):
+        make_run("tensor=8")
 
 
 def test_digits_epochs_visit_every_example_once():

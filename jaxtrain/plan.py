@@ -141,19 +141,21 @@ class Plan:
         step_fn: Callable,
         *abstract_args: PyTree,
         donate_state: bool = True,
-        in_shardings: Any = None,
         out_shardings: Any = None,
     ) -> jax.stages.Compiled:
-        """Compile `step_fn(state_or_params, batch)` ahead of time with the plan's shardings and activation rules."""
+        """Compile `step_fn(state_or_params, batch)` ahead of time under the plan's activation rules.
+
+        Input shardings are those of `abstract_args` (ShapeDtypeStructs carrying shardings); the first argument is
+        donated unless `donate_state=False`.
+        """
 
         def traced(*args):
             with activation_sharding(self.mesh, self.rules):
                 return step_fn(*args)
 
-        in_shardings = in_shardings or tuple(jax.tree.map(lambda x: x.sharding, a) for a in abstract_args)
         jitted = jax.jit(
             traced,
-            in_shardings=in_shardings,
+            in_shardings=tuple(jax.tree.map(lambda x: x.sharding, a) for a in abstract_args),
             out_shardings=out_shardings,
             donate_argnums=(0,) if donate_state else (),
         )

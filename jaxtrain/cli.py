@@ -23,7 +23,7 @@ FLAG_KEYS = {
     "metrics_file": "train.metrics_file",
     "log_every": "train.log_every",
     "eval_every": "train.eval_every",
-    "microbatches": "train.microbatches",
+    "grad_accum": "train.grad_accum",
 }
 
 
@@ -51,7 +51,7 @@ def _train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-file", help="append one JSON object per logged step to this file")
     parser.add_argument("--log-every", type=int)
     parser.add_argument("--eval-every", type=int)
-    parser.add_argument("--microbatches", type=int, help="gradient accumulation steps per optimizer step")
+    parser.add_argument("--grad-accum", type=int, help="gradient accumulation: sequential pieces per optimizer step")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value")

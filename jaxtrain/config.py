@@ -42,7 +42,7 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 200
-    microbatches: int = 1  # gradient accumulation: the global batch is split into this many sequential pieces
+    grad_accum: int = 1  # gradient accumulation: the global batch is split into this many sequential pieces
     # xla: the compiler places gradient reductions (per layer, inside the backward loop, where they can overlap
     # compute). fused: pure data parallel only, one all-reduce of the whole gradient per step.
     grad_sync: str = "xla"

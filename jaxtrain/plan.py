@@ -105,25 +105,25 @@ class Plan:
         )
         return replicated and live <= set(self.rules.batch_axes())
 
-    def batch_sharding(self, shape: tuple[int, ...], microbatches: int = 1) -> NamedSharding:
+    def batch_sharding(self, shape: tuple[int, ...], grad_accum: int = 1) -> NamedSharding:
         """Rows over the batch axes, other dims whole. Checks the global batch divides evenly."""
         axes = tuple(a for a in self.rules.batch_axes() if self.mesh.shape[a] > 1)
         ways = math.prod(self.mesh.shape[a] for a in axes)
-        rows_per_step = shape[0] // microbatches if shape[0] % microbatches == 0 else None
-        if rows_per_step is None or rows_per_step % ways:
+        rows_per_piece = shape[0] // grad_accum if shape[0] % grad_accum == 0 else None
+        if rows_per_piece is None or rows_per_piece % ways:
             where = ", ".join(f"{a}={self.mesh.shape[a]}" for a in axes)
             raise PlanError(
-                f"global batch size {shape[0]} is not divisible by {microbatches} microbatch(es) x {ways} devices "
-                f"on the batch axes ({where or 'none'}). Use a batch size that is a multiple of {microbatches * ways}."
+                f"global batch size {shape[0]} is not divisible by {grad_accum} accumulation step(s) x {ways} devices "
+                f"on the batch axes ({where or 'none'}). Use a batch size that is a multiple of {grad_accum * ways}."
             )
         spec = logical_to_spec(
             ("batch",) + (None,) * (len(shape) - 1), shape, self.rules.activations, self.mesh, "batch"
         )
         return NamedSharding(self.mesh, spec)
 
-    def abstract_batch(self, shapes: dict[str, jax.ShapeDtypeStruct], microbatches: int = 1) -> dict:
+    def abstract_batch(self, shapes: dict[str, jax.ShapeDtypeStruct], grad_accum: int = 1) -> dict:
         return {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding(v.shape, microbatches))
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding(v.shape, grad_accum))
             for k, v in shapes.items()
         }
 

@@ -83,7 +83,7 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         val_fraction=cfg.data.val_fraction,
     )
     shapes = dataset.shapes(cfg.data.batch_size)
-    grad_fn = accumulate_gradients(value_and_grad(model.loss_fn), cfg.train.microbatches)
+    grad_fn = accumulate_gradients(value_and_grad(model.loss_fn), cfg.train.grad_accum)
     if cfg.train.grad_sync == "fused":
         if not plan.is_pure_data_parallel():
             raise ConfigError(
@@ -97,7 +97,7 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     compiled_train = plan.compile(
         step_fn,
         plan.abstract_state,
-        plan.abstract_batch(shapes, cfg.train.microbatches),
+        plan.abstract_batch(shapes, cfg.train.grad_accum),
         out_shardings=(plan.state_shardings, plan.replicated),
     )
     log(memory_report(compiled_train))

@@ -27,19 +27,19 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
     return jax.value_and_grad(loss_fn, has_aux=True)
 
 
-def accumulate_gradients(grad_fn: GradFn, microbatches: int) -> GradFn:
-    """Split the batch into `microbatches` pieces, run them one after another with `lax.scan`, average.
+def accumulate_gradients(grad_fn: GradFn, pieces: int) -> GradFn:
+    """Split the batch into `pieces` microbatches, run them one after another with `lax.scan`, average.
 
     Equals one step on the whole batch when the loss is a mean over equal-sized examples. Microbatch m takes rows
     m, m+M, m+2M, ...: each device already holds a slice of every microbatch, so splitting moves no data.
     """
-    if microbatches == 1:
+    if pieces == 1:
         return grad_fn
 
     def accumulated(params: PyTree, batch: dict[str, jax.Array]):
         def split(x: jax.Array) -> jax.Array:  # (B, ...) -> (M, B/M, ...)
-            pieces = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
-            return constrain(pieces, (None, "batch") + (None,) * (x.ndim - 1))
+            split_rows = x.reshape(x.shape[0] // pieces, pieces, *x.shape[1:]).swapaxes(0, 1)
+            return constrain(split_rows, (None, "batch") + (None,) * (x.ndim - 1))
 
         def add_one(total, micro):
             return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
@@ -48,7 +48,7 @@ def accumulate_gradients(grad_fn: GradFn, microbatches: int) -> GradFn:
         shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         total, _ = jax.lax.scan(add_one, zeros, micro)
-        return jax.tree.map(lambda x: x / microbatches, total)
+        return jax.tree.map(lambda x: x / pieces, total)
 
     return accumulated
 

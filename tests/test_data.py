@@ -56,7 +56,7 @@ def test_wrong_data_for_model():
 def test_batch_not_divisible_by_batch_axes():
     with pytest.raises(
         PlanError,
-        match=r"global batch size 6 is not divisible by 1 microbatch\(es\) x 8 devices "
+        match=r"global batch size 6 is not divisible by 1 accumulation step\(s\) x 8 devices "
         r"on the batch axes \(data=8\). Use a batch size that is a multiple of 8",
     ):
         make_run("data=8", ["batch_size=6"])

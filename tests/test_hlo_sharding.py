@@ -29,7 +29,7 @@ def weight_shapes(run):
 
 
 def test_data_parallel_one_fused_gradient_all_reduce_and_no_gathers():
-    run, found = compiled_collectives("data=8", overrides=["grad_sync=fused", "microbatches=2", "batch_size=16"])
+    run, found = compiled_collectives("data=8", overrides=["grad_sync=fused", "grad_accum=2", "batch_size=16"])
     assert [c.kind for c in found] == ["all-reduce"]
     (reduce,) = found
     assert reduce.executions == 1 and reduce.group_size == 8  # once per step, even with gradient accumulation

@@ -54,11 +54,11 @@ def test_gradients_match_single_device(mesh, devices):
 def test_gradient_accumulation_equals_one_batch(mesh):
     devices = 1 if mesh == "single" else 8
     whole = losses(make_run(mesh, ["batch_size=32"], devices=devices))
-    accumulated = losses(make_run(mesh, ["batch_size=32", "microbatches=4"], devices=devices))
+    accumulated = losses(make_run(mesh, ["batch_size=32", "grad_accum=4"], devices=devices))
     np.testing.assert_allclose(accumulated, whole, rtol=1e-5)
 
 
-@pytest.mark.parametrize("overrides", [[], ["microbatches=2", "batch_size=16"]])
+@pytest.mark.parametrize("overrides", [[], ["grad_accum=2", "batch_size=16"]])
 def test_fused_data_parallel_sync_equals_xla_placement(overrides):
     fused = losses(make_run("data=8", ["grad_sync=fused", *overrides]))
     by_xla = losses(make_run("data=8", overrides))

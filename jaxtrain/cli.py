@@ -24,6 +24,8 @@ FLAG_KEYS = {
     "log_every": "train.log_every",
     "eval_every": "train.eval_every",
     "grad_accum": "train.grad_accum",
+    "schedule": "train.schedule",
+    "microbatches": "train.microbatches",
 }
 
 
@@ -52,6 +54,8 @@ def _train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-every", type=int)
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--grad-accum", type=int, help="gradient accumulation: sequential pieces per optimizer step")
+    parser.add_argument("--schedule", help="pipeline schedule when the mesh has a pipeline axis: gpipe")
+    parser.add_argument("--microbatches", type=int, help="pipeline microbatches per step (default: one per stage)")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value")

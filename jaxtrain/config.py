@@ -46,6 +46,8 @@ class TrainConfig:
     # xla: the compiler places gradient reductions (per layer, inside the backward loop, where they can overlap
     # compute). fused: pure data parallel only, one all-reduce of the whole gradient per step.
     grad_sync: str = "xla"
+    schedule: str = "gpipe"  # pipeline schedule, used when the mesh has a pipeline axis
+    microbatches: int = 0  # pipeline microbatches per step; 0 means one per pipeline stage
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4

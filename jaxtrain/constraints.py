@@ -1,14 +1,16 @@
-"""The one sharding helper models may use: hint an activation's layout by logical names.
+"""The helpers models may use: hint an activation's layout by logical names, and run their stack of layers.
 
 Outside `activation_sharding(...)` (a plain single-device run, a notebook without a mesh) `constrain` returns its
-input untouched, so models stay runnable anywhere.
+input untouched and `scan_layers` is a plain `lax.scan`, so models stay runnable anywhere. Under pipeline
+parallelism the framework swaps the layer loop for a pipeline schedule (`layer_runner`); the model does not change.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -18,6 +20,11 @@ from jaxtrain.rules import ShardingRules, logical_to_spec
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, ShardingRules] | None] = contextvars.ContextVar(
     "jaxtrain_rules", default=None
 )
+
+
+LayerFn = Callable[[jax.Array, Any], jax.Array]
+LayerRunner = Callable[[LayerFn, jax.Array, Any], jax.Array]
+_RUNNER: contextvars.ContextVar[LayerRunner | None] = contextvars.ContextVar("jaxtrain_layer_runner", default=None)
 
 
 @contextlib.contextmanager
@@ -44,3 +51,21 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if manual and all(axes is None for axes in spec):
         return x  # every remaining dim is whole on each device already
     return jax.lax.with_sharding_constraint(x, NamedSharding(abstract if manual else mesh, spec))
+
+
+@contextlib.contextmanager
+def layer_runner(runner: LayerRunner | None) -> Iterator[None]:
+    """Make `scan_layers` run layer stacks with `runner` (e.g. a pipeline schedule) while tracing inside."""
+    token = _RUNNER.set(runner)
+    try:
+        yield
+    finally:
+        _RUNNER.reset(token)
+
+
+def scan_layers(layer: LayerFn, x: jax.Array, stacked_params: Any) -> jax.Array:
+    """x -> layer(x, params[0]) -> layer(., params[1]) ...: one layer per slice of the leading `layers` dim."""
+    runner = _RUNNER.get()
+    if runner is not None:
+        return runner(layer, x, stacked_params)
+    return jax.lax.scan(lambda h, params: (layer(h, params), None), x, stacked_params)[0]

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtrain.constraints import activation_sharding
+from jaxtrain.constraints import LayerRunner, activation_sharding, layer_runner
 from jaxtrain.errors import UserInputError
 from jaxtrain.rules import ShardingRules, logical_to_spec
 
@@ -87,6 +87,7 @@ class Plan:
     model: ModelParts
     param_specs: PyTree  # PartitionSpec per parameter
     abstract_state: PyTree  # {"params", "opt_state", "step"} of ShapeDtypeStruct, each with its sharding
+    layers: LayerRunner | None = None  # how models' layer stacks run (None: a plain scan; else e.g. a pipeline)
 
     @property
     def state_shardings(self) -> PyTree:
@@ -150,7 +151,7 @@ class Plan:
         """
 
         def traced(*args):
-            with activation_sharding(self.mesh, self.rules):
+            with activation_sharding(self.mesh, self.rules), layer_runner(self.layers):
                 return step_fn(*args)
 
         jitted = jax.jit(
@@ -190,7 +191,13 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(mesh: Mesh, rules: ShardingRules, model: ModelParts, optimizer: optax.GradientTransformation) -> Plan:
+def make_plan(
+    mesh: Mesh,
+    rules: ShardingRules,
+    model: ModelParts,
+    optimizer: optax.GradientTransformation,
+    layers: LayerRunner | None = None,
+) -> Plan:
     """Shardings for params (from their logical names) and optimizer state (like the params they belong to)."""
     param_specs = jax.tree.map(
         lambda names, p, path: logical_to_spec(names, p.shape, rules.params, mesh, path),
@@ -218,7 +225,7 @@ def make_plan(mesh: Mesh, rules: ShardingRules, model: ModelParts, optimizer: op
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings
     )
-    return Plan(mesh, rules, model, param_specs, abstract_state)
+    return Plan(mesh, rules, model, param_specs, abstract_state, layers)
 
 
 def _path_tree(tree: PyTree) -> PyTree:

@@ -30,7 +30,7 @@ DEFAULT_PARAM_RULES: dict[str, AxisRule] = {
     "kv": (),
     "qkv": (),
     "vocab": ("tensor",),
-    "layers": (),
+    "layers": ("pipeline",),  # pipeline stages own contiguous blocks of layers
     "features": (),
     "classes": (),
     "norm": (),

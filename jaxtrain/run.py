@@ -23,6 +23,7 @@ from jaxtrain.flops import peak_flops
 from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
 from jaxtrain.metrics import MetricsLog
 from jaxtrain.optim import make_optimizer
+from jaxtrain.pipeline import check_layers, make_layer_runner, stacked_layer_count
 from jaxtrain.plan import Plan, make_plan, memory_report, split_model
 from jaxtrain.rules import ShardingRules
 from jaxtrain.step import accumulate_gradients, eval_step, replica_gradients, train_step, value_and_grad
@@ -71,7 +72,15 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
 
     model = split_model(functools.partial(spec.module, cfg.model))
     optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    plan = make_plan(mesh, rules, model, optimizer)
+    stages = mesh.shape["pipeline"]
+    if stages > 1:
+        check_layers(stacked_layer_count(model.logical_names, model.abstract_params), stages)
+    microbatches = cfg.train.microbatches or stages
+    layers = make_layer_runner(mesh, cfg.train.schedule, microbatches)
+    if layers is not None:
+        bubble = (stages - 1) / (microbatches + stages - 1)
+        log(f"pipeline: {cfg.train.schedule}, {stages} stages, {microbatches} microbatches, bubble {bubble:.1%}")
+    plan = make_plan(mesh, rules, model, optimizer, layers)
     log(plan.table())
 
     dataset = make_dataset(

@@ -1,6 +1,7 @@
 """A decoder-only transformer (GPT): pre-norm (RMSNorm), rotary positions, causal attention, GELU MLP.
 
-Layers are stacked along a leading `layers` dim and run with `lax.scan`, so compile time does not grow with depth.
+Layers are stacked along a leading `layers` dim and run with `lax.scan` (or, under pipeline parallelism, a pipeline
+schedule), so compile time does not grow with depth.
 Every parameter names its dims (`embed`, `heads`, `kv`, `mlp`, `vocab`, `layers`); the mapping to devices lives
 outside the model. Parameters are float32; `dtype` is the compute dtype (bfloat16 on TPU/GPU).
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtrain.constraints import constrain
+from jaxtrain.constraints import constrain, scan_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Token embedding, `n_layers` stacked blocks run by `lax.scan`, final norm and an untied output head."""
+    """Token embedding, `n_layers` stacked blocks run by `scan_layers`, final norm and an untied output head."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -161,12 +162,12 @@ class GPT(nnx.Module):
         rope = rotary_angles(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_base)
 
         def layer(x, params):
-            return nnx.merge(block_def, params)(x, rope), None
+            return nnx.merge(block_def, params)(x, rope)
 
         policy = REMAT_POLICIES[self.cfg.remat]
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, block_params)
+        x = scan_layers(layer, x, block_params)
         x = rms_norm(x, self.final_norm[...])
         logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(dtype)).astype(jnp.float32)
         return constrain(logits, ("batch", "seq", "vocab"))

@@ -12,13 +12,14 @@ from jaxtrain.run import train
 pytestmark = pytest.mark.slow
 
 
-def test_tiny_gpt_learns_tinyshakespeare_on_3d_mesh():
+@pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "pipeline=2,data=2,tensor=2"])
+def test_tiny_gpt_learns_tinyshakespeare(mesh):
     text = shared_file("tinyshakespeare.txt")
     cfg = apply_overrides(
         default_config("gpt-tiny"),
         [
             f"data.source={text}",
-            "mesh=data=2,fsdp=2,tensor=2",
+            f"mesh={mesh}",
             "steps=600",
             "batch_size=32",
             "seq_len=128",

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxtrain.constraints import LayerFn, LayerRunner, constrain
 from jaxtrain.errors import UserInputError
+from jaxtrain.rules import is_logical_names
 
 SCHEDULES = ("gpipe",)
 
@@ -68,10 +69,9 @@ def check_layers(n_layers: int, stages: int) -> None:
 
 def stacked_layer_count(logical_names: Any, abstract_params: Any) -> int:
     """The length of the model's stacked `layers` dim; an error if the model has no layer stack to pipeline."""
-    is_names = lambda x: isinstance(x, tuple) and all(isinstance(n, str | None) for n in x)  # noqa: E731
     counts = {
         p.shape[0]
-        for names, p in zip(jax.tree.leaves(logical_names, is_leaf=is_names), jax.tree.leaves(abstract_params))
+        for names, p in zip(jax.tree.leaves(logical_names, is_leaf=is_logical_names), jax.tree.leaves(abstract_params))
         if names and names[0] == "layers"
     }
     if not counts:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.constraints import LayerRunner, activation_sharding, layer_runner
 from jaxtrain.errors import UserInputError
-from jaxtrain.rules import ShardingRules, logical_to_spec
+from jaxtrain.rules import ShardingRules, is_logical_names, logical_to_spec
 
 PyTree = Any
 
@@ -74,10 +74,6 @@ def _set_path(tree: dict, path: tuple, value: Any) -> None:
 
 def _path_str(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def _is_names(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +162,7 @@ class Plan:
         """Parameter path, global shape, logical axes, PartitionSpec and bytes per device; then totals."""
         rows = [("parameter", "shape", "logical axes", "spec", "bytes/device")]
         flat_params = jax.tree_util.tree_flatten_with_path(self.abstract_state["params"])[0]
-        flat_names = jax.tree.leaves(self.model.logical_names, is_leaf=_is_names)
+        flat_names = jax.tree.leaves(self.model.logical_names, is_leaf=is_logical_names)
         for (path, param), names in zip(flat_params, flat_names):
             spec = tuple(param.sharding.spec) + (None,) * (len(param.shape) - len(param.sharding.spec))
             rows.append(
@@ -204,7 +200,7 @@ def make_plan(
         model.logical_names,
         model.abstract_params,
         _path_tree(model.abstract_params),
-        is_leaf=_is_names,
+        is_leaf=is_logical_names,
     )
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)

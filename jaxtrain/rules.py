@@ -94,6 +94,11 @@ class ShardingRules:
         return tuple(self.activations.get("batch", ()))
 
 
+def is_logical_names(x: object) -> bool:
+    """True for a tuple of dim names (str or None): the leaves of a tree of logical names."""
+    return isinstance(x, tuple) and all(isinstance(n, str | None) for n in x)
+
+
 def logical_to_spec(
     names: Sequence[str | None],
     shape: Sequence[int],

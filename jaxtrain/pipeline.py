@@ -101,10 +101,8 @@ def _gpipe_ticks(layer: LayerFn, microbatches: int, stages: int, params: Any, mi
     return jax.lax.psum(jnp.where(stage == stages - 1, outputs, jnp.zeros_like(outputs)), "pipeline")
 
 
-def make_layer_runner(mesh: Mesh, schedule: str, microbatches: int) -> LayerRunner | None:
-    """The layer runner for `mesh`: None (plain scan) without a pipeline axis, else the named schedule."""
-    if mesh.shape["pipeline"] == 1:
-        return None
+def make_layer_runner(mesh: Mesh, schedule: str, microbatches: int) -> LayerRunner:
+    """The named pipeline schedule over `mesh`'s pipeline axis, as a `scan_layers` replacement."""
     if schedule not in SCHEDULES:
         raise PipelineError(f"unknown pipeline schedule '{schedule}'; available: {', '.join(SCHEDULES)}.")
     if microbatches < 1:

@@ -16,17 +16,19 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxtrain.config import ConfigError, RunConfig
+from jaxtrain.constraints import LayerRunner
 from jaxtrain.data import Dataset, global_batch, make_dataset
 from jaxtrain.flops import peak_flops
 from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
 from jaxtrain.metrics import MetricsLog
 from jaxtrain.optim import make_optimizer
 from jaxtrain.pipeline import check_layers, make_layer_runner, stacked_layer_count
-from jaxtrain.plan import Plan, make_plan, memory_report, split_model
+from jaxtrain.plan import ModelParts, Plan, make_plan, memory_report, split_model
 from jaxtrain.rules import ShardingRules
-from jaxtrain.step import accumulate_gradients, eval_step, replica_gradients, train_step, value_and_grad
+from jaxtrain.step import GradFn, accumulate_gradients, eval_step, replica_gradients, train_step, value_and_grad
 from models import resolve_model
 
 
@@ -72,15 +74,7 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
 
     model = split_model(functools.partial(spec.module, cfg.model))
     optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    stages = mesh.shape["pipeline"]
-    if stages > 1:
-        check_layers(stacked_layer_count(model.logical_names, model.abstract_params), stages)
-    microbatches = cfg.train.microbatches or stages
-    layers = make_layer_runner(mesh, cfg.train.schedule, microbatches)
-    if layers is not None:
-        bubble = (stages - 1) / (microbatches + stages - 1)
-        log(f"pipeline: {cfg.train.schedule}, {stages} stages, {microbatches} microbatches, bubble {bubble:.1%}")
-    plan = make_plan(mesh, rules, model, optimizer, layers)
+    plan = make_plan(mesh, rules, model, optimizer, _layer_runner(cfg, mesh, model, log))
     log(plan.table())
 
     dataset = make_dataset(
@@ -92,17 +86,7 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         val_fraction=cfg.data.val_fraction,
     )
     shapes = dataset.shapes(cfg.data.batch_size)
-    grad_fn = accumulate_gradients(value_and_grad(model.loss_fn), cfg.train.grad_accum)
-    if cfg.train.grad_sync == "fused":
-        if not plan.is_pure_data_parallel():
-            raise ConfigError(
-                "train.grad_sync=fused needs a purely data-parallel mesh (every parameter replicated); "
-                f"mesh '{cfg.mesh}' shards parameters. Use grad_sync=xla."
-            )
-        grad_fn = replica_gradients(grad_fn, mesh, rules.batch_axes())
-    elif cfg.train.grad_sync != "xla":
-        raise ConfigError(f"train.grad_sync='{cfg.train.grad_sync}': use xla or fused.")
-    step_fn = functools.partial(train_step, grad_fn=grad_fn, optimizer=optimizer, schedule=schedule)
+    step_fn = functools.partial(train_step, grad_fn=_grad_fn(cfg, plan), optimizer=optimizer, schedule=schedule)
     compiled_train = plan.compile(
         step_fn,
         plan.abstract_state,
@@ -120,6 +104,33 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         cfg.model.train_flops(cfg.data.batch_size, seq_len),
         cfg.data.batch_size * seq_len,
     )
+
+
+def _layer_runner(cfg: RunConfig, mesh: Mesh, model: ModelParts, log: Callable[[str], None]) -> LayerRunner | None:
+    """The pipeline schedule when the mesh has a pipeline axis; None (a plain layer scan) otherwise."""
+    stages = mesh.shape["pipeline"]
+    if stages == 1:
+        return None
+    check_layers(stacked_layer_count(model.logical_names, model.abstract_params), stages)
+    microbatches = cfg.train.microbatches or stages
+    bubble = (stages - 1) / (microbatches + stages - 1)
+    log(f"pipeline: {cfg.train.schedule}, {stages} stages, {microbatches} microbatches, bubble {bubble:.1%}")
+    return make_layer_runner(mesh, cfg.train.schedule, microbatches)
+
+
+def _grad_fn(cfg: RunConfig, plan: Plan) -> GradFn:
+    """Loss and gradient of a batch: accumulated over `grad_accum` pieces, synchronised as `grad_sync` says."""
+    grad_fn = accumulate_gradients(value_and_grad(plan.model.loss_fn), cfg.train.grad_accum)
+    if cfg.train.grad_sync == "xla":
+        return grad_fn
+    if cfg.train.grad_sync != "fused":
+        raise ConfigError(f"train.grad_sync='{cfg.train.grad_sync}': use xla or fused.")
+    if not plan.is_pure_data_parallel():
+        raise ConfigError(
+            "train.grad_sync=fused needs a purely data-parallel mesh (every parameter replicated); "
+            f"mesh '{cfg.mesh}' shards parameters. Use grad_sync=xla."
+        )
+    return replica_gradients(grad_fn, plan.mesh, plan.rules.batch_axes())
 
 
 def evaluate(run: Setup, params: Any) -> dict[str, float]:

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtrain.constraints import LayerFn, LayerRunner, constrain
+from jaxtrain.constraints import LayerFn, LayerRunner
 from jaxtrain.errors import UserInputError
 from jaxtrain.rules import is_logical_names
+from jaxtrain.step import merge_microbatches, split_microbatches
 
 SCHEDULES = ("gpipe",)
 
@@ -40,10 +41,7 @@ def gpipe(mesh: Mesh, microbatches: int) -> LayerRunner:
                 f"a batch of {x.shape[0]} rows does not split into {microbatches} pipeline microbatches; "
                 "use a batch size divisible by train.microbatches."
             )
-        # Microbatch m takes rows m, m+M, ...: every data-parallel device already holds rows of each microbatch.
-        rest = x.shape[1:]
-        micro = x.reshape(x.shape[0] // microbatches, microbatches, *rest).swapaxes(0, 1)  # (M, B/M, ...)
-        micro = constrain(micro, (None, "batch") + (None,) * len(rest))
+        micro = split_microbatches(x, microbatches)  # (M, B/M, ...)
         stage_loop = jax.shard_map(
             functools.partial(_gpipe_ticks, layer, microbatches, stages),
             mesh=mesh,
@@ -53,8 +51,7 @@ def gpipe(mesh: Mesh, microbatches: int) -> LayerRunner:
             # The outputs are made identical on every stage by the final psum; loop carries differ per stage.
             check_vma=False,
         )
-        out = stage_loop(stacked_params, micro)  # (M, B/M, ...)
-        return out.swapaxes(0, 1).reshape(x.shape)
+        return merge_microbatches(stage_loop(stacked_params, micro))
 
     return run
 

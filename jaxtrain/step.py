@@ -27,24 +27,33 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
     return jax.value_and_grad(loss_fn, has_aux=True)
 
 
+def split_microbatches(x: jax.Array, pieces: int) -> jax.Array:
+    """(B, ...) -> (M, B/M, ...) where microbatch m takes rows m, m+M, m+2M, ...
+
+    Each data-parallel device already holds rows of every microbatch, so the split moves no data.
+    """
+    split_rows = x.reshape(x.shape[0] // pieces, pieces, *x.shape[1:]).swapaxes(0, 1)
+    return constrain(split_rows, (None, "batch") + (None,) * (x.ndim - 1))
+
+
+def merge_microbatches(x: jax.Array) -> jax.Array:
+    """The inverse of `split_microbatches`: (M, B/M, ...) -> (B, ...)."""
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 def accumulate_gradients(grad_fn: GradFn, pieces: int) -> GradFn:
     """Split the batch into `pieces` microbatches, run them one after another with `lax.scan`, average.
 
-    Equals one step on the whole batch when the loss is a mean over equal-sized examples. Microbatch m takes rows
-    m, m+M, m+2M, ...: each device already holds a slice of every microbatch, so splitting moves no data.
+    Equals one step on the whole batch when the loss is a mean over equal-sized examples.
     """
     if pieces == 1:
         return grad_fn
 
     def accumulated(params: PyTree, batch: dict[str, jax.Array]):
-        def split(x: jax.Array) -> jax.Array:  # (B, ...) -> (M, B/M, ...)
-            split_rows = x.reshape(x.shape[0] // pieces, pieces, *x.shape[1:]).swapaxes(0, 1)
-            return constrain(split_rows, (None, "batch") + (None,) * (x.ndim - 1))
-
         def add_one(total, micro):
             return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
 
-        micro = jax.tree.map(split, batch)
+        micro = jax.tree.map(lambda x: split_microbatches(x, pieces), batch)
         shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         total, _ = jax.lax.scan(add_one, zeros, micro)

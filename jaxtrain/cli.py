@@ -26,6 +26,7 @@ FLAG_KEYS = {
     "grad_accum": "train.grad_accum",
     "schedule": "train.schedule",
     "microbatches": "train.microbatches",
+    "virtual_stages": "train.virtual_stages",
 }
 
 
@@ -54,8 +55,11 @@ def _train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-every", type=int)
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--grad-accum", type=int, help="gradient accumulation: sequential pieces per optimizer step")
-    parser.add_argument("--schedule", help="pipeline schedule when the mesh has a pipeline axis: gpipe")
+    parser.add_argument(
+        "--schedule", help="pipeline schedule when the mesh has a pipeline axis: gpipe | 1f1b (default) | interleaved"
+    )
     parser.add_argument("--microbatches", type=int, help="pipeline microbatches per step (default: one per stage)")
+    parser.add_argument("--virtual-stages", type=int, help="interleaved schedule: layer chunks per device (V)")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value")

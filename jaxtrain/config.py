@@ -46,8 +46,15 @@ class TrainConfig:
     # xla: the compiler places gradient reductions (per layer, inside the backward loop, where they can overlap
     # compute). fused: pure data parallel only, one all-reduce of the whole gradient per step.
     grad_sync: str = "xla"
-    schedule: str = "gpipe"  # pipeline schedule, used when the mesh has a pipeline axis
-    microbatches: int = 0  # pipeline microbatches per step; 0 means one per pipeline stage
+    # Pipeline parallelism, used when the mesh has a pipeline axis: the schedule (gpipe | 1f1b | interleaved),
+    # microbatches per step (0: one per stage), chunks per device for interleaved, and how layers are assigned to
+    # stages (cost: balance estimated FLOPs, counting the embedding and head; uniform: equal layer counts), and
+    # what each forward keeps for its backward (residuals: autodiff's; inputs: the stage input, recomputing).
+    schedule: str = "1f1b"
+    microbatches: int = 0
+    virtual_stages: int = 1
+    stage_balance: str = "cost"
+    pipeline_stash: str = "residuals"
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4

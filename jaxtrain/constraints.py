@@ -37,8 +37,11 @@ def activation_sharding(mesh: Mesh, rules: ShardingRules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Constrain activation `x`, whose dims are called `names` (e.g. ("batch", "seq", "embed")), to the rules."""
+def constrain(x: jax.Array, names: Sequence[str | None], *, like_params: bool = False) -> jax.Array:
+    """Constrain activation `x`, whose dims are called `names` (e.g. ("batch", "seq", "embed")), to the rules.
+
+    `like_params`: lay `x` out as a parameter with these dim names would be (e.g. a gradient).
+    """
     active = _ACTIVE.get()
     if active is None:
         return x
@@ -46,7 +49,8 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     # Inside a shard_map some axes are manual: each device already holds its own slice along them.
     abstract = jax.sharding.get_abstract_mesh()
     manual = set() if abstract.empty else set(abstract.manual_axes)
-    table = {name: tuple(a for a in axes if a not in manual) for name, axes in rules.activations.items()}
+    rule_table = rules.params if like_params else rules.activations
+    table = {name: tuple(a for a in axes if a not in manual) for name, axes in rule_table.items()}
     spec = logical_to_spec(names, x.shape, table, mesh, f"activation{tuple(names)}")
     if manual and all(axes is None for axes in spec):
         return x  # every remaining dim is whole on each device already
@@ -64,7 +68,12 @@ def layer_runner(runner: LayerRunner | None) -> Iterator[None]:
 
 
 def scan_layers(layer: LayerFn, x: jax.Array, stacked_params: Any) -> jax.Array:
-    """x -> layer(x, params[0]) -> layer(., params[1]) ...: one layer per slice of the leading `layers` dim."""
+    """x -> layer(x, params[0]) -> layer(., params[1]) ...: one layer per slice of the leading `layers` dim.
+
+    Under pipeline parallelism the framework runs `layer` itself, on microbatches (rows of `x`, whose leading dim
+    is the batch) and on each stage's slices of `stacked_params`. So pass the stacked params as they came from the
+    module, and let `layer` close over constants only (e.g. rotary tables), never over batch-dependent values.
+    """
     runner = _RUNNER.get()
     if runner is not None:
         return runner(layer, x, stacked_params)

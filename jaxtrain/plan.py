@@ -20,8 +20,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtrain.constraints import LayerRunner, activation_sharding, layer_runner
+from jaxtrain.constraints import activation_sharding
 from jaxtrain.errors import UserInputError
+from jaxtrain.pipeline import StageLayout
 from jaxtrain.rules import ShardingRules, is_logical_names, logical_to_spec
 
 PyTree = Any
@@ -83,7 +84,9 @@ class Plan:
     model: ModelParts
     param_specs: PyTree  # PartitionSpec per parameter
     abstract_state: PyTree  # {"params", "opt_state", "step"} of ShapeDtypeStruct, each with its sharding
-    layers: LayerRunner | None = None  # how models' layer stacks run (None: a plain scan; else e.g. a pipeline)
+    # Under pipeline parallelism: which stage holds which layers. The stacked `layers` dim of the params is stored
+    # in this layout's order (padded to equal stages); `params_in_model_order` undoes it.
+    layout: StageLayout | None = None
 
     @property
     def state_shardings(self) -> PyTree:
@@ -128,7 +131,7 @@ class Plan:
         """The train state, created directly in its shards (no device ever holds the whole thing)."""
 
         def init():
-            params = self.model.init_params(seed)
+            params = self._stored(self.model.init_params(seed), "to_stored")
             return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
         return jax.jit(init, out_shardings=self.state_shardings)()
@@ -147,7 +150,7 @@ class Plan:
         """
 
         def traced(*args):
-            with activation_sharding(self.mesh, self.rules), layer_runner(self.layers):
+            with activation_sharding(self.mesh, self.rules):
                 return step_fn(*args)
 
         jitted = jax.jit(
@@ -157,6 +160,21 @@ class Plan:
             donate_argnums=(0,) if donate_state else (),
         )
         return jitted.lower(*abstract_args).compile()
+
+    def params_in_model_order(self, params: PyTree) -> PyTree:
+        """Params (or gradients) as the model defines them, whatever the pipeline layout stores."""
+        return self._stored(params, "to_model")
+
+    def _stored(self, params: PyTree, direction: str) -> PyTree:
+        if self.layout is None or self.layout.is_identity():
+            return params
+        convert = getattr(self.layout, direction)
+        return jax.tree.map(
+            lambda names, x: convert(x) if names and names[0] == "layers" else x,
+            self.model.logical_names,
+            params,
+            is_leaf=is_logical_names,
+        )
 
     def table(self) -> str:
         """Parameter path, global shape, logical axes, PartitionSpec and bytes per device; then totals."""
@@ -184,6 +202,14 @@ class Plan:
             f"/device); optimizer state: {_fmt_bytes(total_bytes(opt))} total, "
             f"{_fmt_bytes(tree_device_bytes(opt))}/device"
         )
+        if self.layout is not None:
+            layout = self.layout
+            padding = layout.stored_layers - sum(layout.counts)
+            lines.append(
+                f"per pipeline stage: {layout.virtual * layout.slots} of the {layout.stored_layers} stored layer rows "
+                f"(the `layers` dim, in stage order{f', {padding} of them padding' if padding else ''}) and every "
+                "other parameter"
+            )
         return "\n".join(lines)
 
 
@@ -192,20 +218,35 @@ def make_plan(
     rules: ShardingRules,
     model: ModelParts,
     optimizer: optax.GradientTransformation,
-    layers: LayerRunner | None = None,
+    layout: StageLayout | None = None,
 ) -> Plan:
-    """Shardings for params (from their logical names) and optimizer state (like the params they belong to)."""
+    """Shardings for params (from their logical names) and optimizer state (like the params they belong to).
+
+    `layout`: under pipeline parallelism, the stacked `layers` dim is stored as `layout` says (padded stages).
+    """
+    abstract_params = model.abstract_params
+    if layout is not None:
+        abstract_params = jax.tree.map(
+            lambda names, p: (
+                jax.ShapeDtypeStruct((layout.stored_layers, *p.shape[1:]), p.dtype)
+                if names and names[0] == "layers"
+                else p
+            ),
+            model.logical_names,
+            abstract_params,
+            is_leaf=is_logical_names,
+        )
     param_specs = jax.tree.map(
         lambda names, p, path: logical_to_spec(names, p.shape, rules.params, mesh, path),
         model.logical_names,
-        model.abstract_params,
-        _path_tree(model.abstract_params),
+        abstract_params,
+        _path_tree(abstract_params),
         is_leaf=is_logical_names,
     )
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
-    abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
     # Moments shard like their parameters; counts and other scalars are replicated (optax's naive init would put
     # them all on device 0).
@@ -216,12 +257,12 @@ def make_plan(
         shardings,
         transform_non_params=lambda _: replicated,
     )
-    state = {"params": model.abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    state = {"params": abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32)}
     state_shardings = {"params": shardings, "opt_state": opt_shardings, "step": replicated}
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings
     )
-    return Plan(mesh, rules, model, param_specs, abstract_state, layers)
+    return Plan(mesh, rules, model, param_specs, abstract_state, layout)
 
 
 def _path_tree(tree: PyTree) -> PyTree:

@@ -19,13 +19,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxtrain.config import ConfigError, RunConfig
-from jaxtrain.constraints import LayerRunner
 from jaxtrain.data import Dataset, global_batch, make_dataset
 from jaxtrain.flops import peak_flops
 from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
 from jaxtrain.metrics import MetricsLog
 from jaxtrain.optim import make_optimizer
-from jaxtrain.pipeline import check_layers, make_layer_runner, stacked_layer_count
+from jaxtrain.pipeline import Pipeline, make_pipeline
 from jaxtrain.plan import ModelParts, Plan, make_plan, memory_report, split_model
 from jaxtrain.rules import ShardingRules
 from jaxtrain.step import GradFn, accumulate_gradients, eval_step, replica_gradients, train_step, value_and_grad
@@ -34,28 +33,57 @@ from models import resolve_model
 
 @dataclasses.dataclass
 class Setup:
-    """Everything a loop needs, built once: the plan, compiled steps, data, and the step's model FLOPs."""
+    """Everything a loop needs, built once: the plan, the step functions (compiled on first use), data, and the
+    step's model FLOPs."""
 
     cfg: RunConfig
     plan: Plan
     dataset: Dataset
-    train_step: jax.stages.Compiled
     optimizer: Any
+    grad_fn: GradFn  # ((loss, metrics), grads) of params on a global batch, as the train step computes them
+    step_fn: Callable  # (state, batch) -> (state, metrics), uncompiled
     flops_per_step: float
     tokens_per_step: int
+    pipeline: Pipeline | None = None
 
     def batch(self, split: str, step: int) -> dict[str, jax.Array]:
-        shardings = self.train_step.input_shardings[0][1]
+        shardings = {k: v.sharding for k, v in self._abstract_batch(self.cfg.train.grad_accum).items()}
         return global_batch(self.dataset, split, step, self.cfg.data.batch_size, shardings)
+
+    def _abstract_batch(self, grad_accum: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
+        return self.plan.abstract_batch(self.dataset.shapes(self.cfg.data.batch_size), grad_accum)
+
+    @functools.cached_property
+    def train_step(self) -> jax.stages.Compiled:
+        """The compiled optimizer step; the state argument is donated."""
+        plan = self.plan
+        return plan.compile(
+            self.step_fn,
+            plan.abstract_state,
+            self._abstract_batch(self.cfg.train.grad_accum),
+            out_shardings=(plan.state_shardings, plan.replicated),
+        )
+
+    @functools.cached_property
+    def compiled_grad(self) -> jax.stages.Compiled:
+        """`grad_fn` compiled: (params, batch) -> ((loss, metrics), grads), for inspection and tests."""
+        plan = self.plan
+        return plan.compile(
+            self.grad_fn,
+            plan.abstract_state["params"],
+            self._abstract_batch(self.cfg.train.grad_accum),
+            donate_state=False,
+        )
 
     @functools.cached_property
     def compiled_eval(self) -> jax.stages.Compiled:
-        """Loss and metrics on a batch, without updating (compiled on first use)."""
+        """Loss and metrics on a batch, without updating."""
         plan = self.plan
+        loss_fn = self.pipeline.loss(plan.model.loss_fn) if self.pipeline else plan.model.loss_fn
         return plan.compile(
-            functools.partial(eval_step, loss_fn=plan.model.loss_fn),
+            functools.partial(eval_step, loss_fn=loss_fn),
             plan.abstract_state["params"],
-            plan.abstract_batch(self.dataset.shapes(self.cfg.data.batch_size)),
+            self._abstract_batch(),
             donate_state=False,
             out_shardings=plan.replicated,
         )
@@ -66,6 +94,13 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
 
     `devices`: the devices the mesh spans (default: all of them).
     """
+    run = build(cfg, log, devices)
+    log(memory_report(run.train_step))
+    return run
+
+
+def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None) -> Setup:
+    """Like `setup`, but compiles nothing: steps compile when first used."""
     spec, _ = resolve_model(cfg.model_name)
     layout = parse_layout(cfg.mesh)
     mesh = build_mesh(layout, devices)
@@ -74,53 +109,61 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
 
     model = split_model(functools.partial(spec.module, cfg.model))
     optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    plan = make_plan(mesh, rules, model, optimizer, _layer_runner(cfg, mesh, model, log))
-    log(plan.table())
-
     dataset = make_dataset(
         cfg.data.source,
         spec.task,
-        seq_len=cfg.data.seq_len,
         seed=cfg.train.seed,
+        seq_len=cfg.data.seq_len,
         vocab_size=getattr(cfg.model, "vocab_size", 256),
         val_fraction=cfg.data.val_fraction,
     )
-    shapes = dataset.shapes(cfg.data.batch_size)
-    step_fn = functools.partial(train_step, grad_fn=_grad_fn(cfg, plan), optimizer=optimizer, schedule=schedule)
-    compiled_train = plan.compile(
-        step_fn,
-        plan.abstract_state,
-        plan.abstract_batch(shapes, cfg.train.grad_accum),
-        out_shardings=(plan.state_shardings, plan.replicated),
-    )
-    log(memory_report(compiled_train))
+    pipeline = _pipeline(cfg, mesh, model, dataset.shapes(cfg.data.batch_size))
+    if pipeline:
+        log(pipeline.describe())
+    plan = make_plan(mesh, rules, model, optimizer, pipeline.layout if pipeline else None)
+    log(plan.table())
+    # Check the batch divides over the devices before anything compiles.
+    plan.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
+
+    grad_fn = _grad_fn(cfg, plan, pipeline)
     seq_len = cfg.data.seq_len if spec.task == "lm" else 1
     return Setup(
         cfg,
         plan,
         dataset,
-        compiled_train,
         optimizer,
+        grad_fn,
+        functools.partial(train_step, grad_fn=grad_fn, optimizer=optimizer, schedule=schedule),
         cfg.model.train_flops(cfg.data.batch_size, seq_len),
         cfg.data.batch_size * seq_len,
+        pipeline,
     )
 
 
-def _layer_runner(cfg: RunConfig, mesh: Mesh, model: ModelParts, log: Callable[[str], None]) -> LayerRunner | None:
-    """The pipeline schedule when the mesh has a pipeline axis; None (a plain layer scan) otherwise."""
-    stages = mesh.shape["pipeline"]
-    if stages == 1:
+def _pipeline(cfg: RunConfig, mesh: Mesh, model: ModelParts, shapes: dict) -> Pipeline | None:
+    """The pipeline schedule and stage layout when the mesh has a pipeline axis; None otherwise."""
+    if mesh.shape["pipeline"] == 1:
         return None
-    check_layers(stacked_layer_count(model.logical_names, model.abstract_params), stages)
-    microbatches = cfg.train.microbatches or stages
-    bubble = (stages - 1) / (microbatches + stages - 1)
-    log(f"pipeline: {cfg.train.schedule}, {stages} stages, {microbatches} microbatches, bubble {bubble:.1%}")
-    return make_layer_runner(mesh, cfg.train.schedule, microbatches)
+    accum = cfg.train.grad_accum
+    per_step = {k: jax.ShapeDtypeStruct((s.shape[0] // accum, *s.shape[1:]), s.dtype) for k, s in shapes.items()}
+    return make_pipeline(
+        mesh,
+        model.loss_fn,
+        model.logical_names,
+        model.abstract_params,
+        per_step,
+        schedule=cfg.train.schedule,
+        microbatches=cfg.train.microbatches,
+        virtual=cfg.train.virtual_stages,
+        balance=cfg.train.stage_balance,
+        stash=cfg.train.pipeline_stash,
+    )
 
 
-def _grad_fn(cfg: RunConfig, plan: Plan) -> GradFn:
+def _grad_fn(cfg: RunConfig, plan: Plan, pipeline: Pipeline | None) -> GradFn:
     """Loss and gradient of a batch: accumulated over `grad_accum` pieces, synchronised as `grad_sync` says."""
-    grad_fn = accumulate_gradients(value_and_grad(plan.model.loss_fn), cfg.train.grad_accum)
+    grad_fn = pipeline.value_and_grad(plan.model.loss_fn) if pipeline else value_and_grad(plan.model.loss_fn)
+    grad_fn = accumulate_gradients(grad_fn, cfg.train.grad_accum)
     if cfg.train.grad_sync == "xla":
         return grad_fn
     if cfg.train.grad_sync != "fused":

@@ -176,5 +176,8 @@ class GPT(nnx.Module):
         """Mean next-token cross-entropy (nats/token). batch["tokens"]: (B, T + 1)."""
         tokens = batch["tokens"]
         logits = self(tokens[:, :-1])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        # One-hot rather than integer labels: with the vocabulary split over devices, picking each label's logit
+        # is a gather XLA cannot partition inside the pipeline's partly manual shard_map; a masked sum can.
+        targets = jax.nn.one_hot(tokens[:, 1:], self.cfg.vocab_size, dtype=logits.dtype)
+        loss = optax.softmax_cross_entropy(logits, constrain(targets, ("batch", "seq", "vocab"))).mean()
         return loss, {}

@@ -9,6 +9,7 @@ Sections:
   variants   compute dtype and remat policy on one mesh, interleaved
   overhead   our train step vs a minimal hand-written jax.jit step of the same model and shardings (target <= 1.05)
   compile    compile time of a 4-layer vs a 32-layer model (target ratio <= 1.5: layers are scanned)
+  pipeline   measured bubble of each pipeline schedule vs theory, and activation memory (P = 2 and 4)
   maxtext    our default GPT path vs MaxText 0.2.5 on the same shape and mesh (scripts/maxtext_baseline.sh), alternated
 """
 
@@ -49,11 +50,12 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def make(mesh: str, extra=()):
+def make(mesh: str, extra=(), devices=None):
     from jaxtrain.config import apply_overrides, default_config
     from jaxtrain.run import setup
 
-    return setup(apply_overrides(default_config("gpt"), [*SHAPE, f"mesh={mesh}", *extra]), log=lambda *_: None)
+    cfg = apply_overrides(default_config("gpt"), [*SHAPE, f"mesh={mesh}", *extra])
+    return setup(cfg, log=lambda *_: None, devices=devices)
 
 
 def stepper(run):
@@ -169,6 +171,62 @@ def bench_compile(args, peak) -> dict:
     }
 
 
+# float32: XLA:CPU runs the bfloat16 backward inside the pipeline loop ~4x slower than outside it (an XLA:CPU
+# quirk, not pipeline cost), which would swamp the bubble; forwards and float32 are unaffected.
+PIPELINE_SHAPE = [
+    "n_layers=8",
+    "d_model=256",
+    "n_heads=4",
+    "d_ff=1024",
+    "vocab_size=256",
+    "seq_len=64",
+    "dtype=float32",
+]
+
+
+def bench_pipeline(args, peak) -> dict:
+    """Measured bubble = 1 - T_ideal / T_pipeline, alternated in one process. T_ideal is the same model on the same
+    P devices without a bubble: data parallel over them, accumulating M/P pieces so every matmul has the
+    pipeline's microbatch size, with one fused gradient all-reduce per step (the pipeline has none over those
+    devices). On simulated CPU devices the stages share the cores, so the bubble is measured as
+    the placeholder work that idle stages compute in its place (see jaxtrain.pipeline), which takes on real chips
+    exactly the time they would wait."""
+    batch = 64
+    results = {}
+    for stages in (int(p) for p in args.pipeline_stages.split(",")):
+        devices = jax.devices()[:stages]
+        cases = {}
+        for name, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+            for microbatches in (stages, 4 * stages):
+                extra = [f"schedule={name}", f"microbatches={microbatches}", f"virtual_stages={virtual}"]
+                cases[f"{name},M={microbatches}"] = (f"pipeline={stages}", extra, microbatches)
+        for microbatches in (stages, 4 * stages):
+            accumulate = [f"grad_accum={microbatches // stages}", "grad_sync=fused"]
+            cases[f"ideal,M={microbatches}"] = (f"data={stages}", accumulate, None)
+        runs = {
+            key: make(mesh, [*PIPELINE_SHAPE, f"batch_size={batch}", *extra], devices=devices)
+            for key, (mesh, extra, _) in cases.items()
+        }
+        times = interleaved({key: stepper(run) for key, run in runs.items()}, args.rounds, args.steps)
+        report = {}
+        for key, run in runs.items():
+            if key.startswith("ideal"):
+                continue
+            ideal = times[f"ideal,M={cases[key][2]}"]
+            schedule = run.pipeline.schedule
+            report[key] = {
+                "step_time_s": round(times[key], 4),
+                "ideal_step_time_s": round(ideal, 4),
+                "bubble_measured": round(1 - ideal / times[key], 4),
+                "bubble_theory": round(schedule.theoretical_bubble(), 4),
+                "ratio_to_theory": round((1 - ideal / times[key]) / schedule.theoretical_bubble(), 3),
+                "stash_microbatches": schedule.stash_slots,
+                "temp_bytes": run.train_step.memory_analysis().temp_size_in_bytes,
+            }
+        results[f"P={stages}"] = report
+    return results
+
+
 def run_maxtext(steps: int) -> dict:
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "maxtext_baseline.sh"), str(steps)], capture_output=True, text=True, check=True
@@ -228,6 +286,7 @@ SECTIONS = {
     "variants": bench_variants,
     "overhead": bench_overhead,
     "compile": bench_compile,
+    "pipeline": bench_pipeline,
     "maxtext": bench_maxtext,
 }
 
@@ -239,6 +298,7 @@ def main() -> None:
     parser.add_argument("--mesh", default="fsdp=8", help="mesh for the variants section")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
+    parser.add_argument("--pipeline-stages", default="2,4", help="pipeline section: stage counts P to measure")
     parser.add_argument("--maxtext-rounds", type=int, default=3)
     parser.add_argument("--maxtext-steps", type=int, default=40)
     args = parser.parse_args()

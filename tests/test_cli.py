@@ -64,6 +64,10 @@ def test_train_command_writes_metrics(tmp_path):
         (["n_layer=3"], "unknown config key 'n_layer'. Did you mean: n_layers, model.n_layers?"),
         (["--mesh", "data=3"], "multiplies to 3 devices, but 8 devices are available"),
         (["--data", "missing.txt"], "data file 'missing.txt' does not exist"),
+        (
+            "--mesh pipeline=2,data=4 --schedule interleaved --virtual-stages 2 --microbatches 3".split(),
+            "train.microbatches must be a multiple of 2 (got 3)",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message):
@@ -71,3 +75,10 @@ def test_bad_input_is_a_clear_error(args, message):
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_pipeline_flags_reach_the_config():
+    result = run_train("--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "8", "--help-config")
+    assert result.returncode == 0, result.stderr
+    for line in ("train.schedule = 'interleaved'", "train.virtual_stages = 2", "train.microbatches = 8"):
+        assert line in result.stdout

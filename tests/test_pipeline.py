@@ -1,41 +1,85 @@
-"""Pipeline parallelism (GPipe) equals the non-pipelined 1-device run, alone and composed with other axes."""
+"""Pipeline parallelism: every schedule computes the 1-device loss and gradients, alone and composed with the
+other axes; the compiled programs show the schedule (stage-to-stage permutes, stash memory); bad input is refused."""
 
 import jax
 import numpy as np
 import pytest
-from helpers import losses, make_run
+from helpers import assert_gradients_close, gradients, losses, make_run
 
 from jaxtrain.hlo import collectives
 from jaxtrain.pipeline import PipelineError
+from jaxtrain.schedules import ScheduleError, build_schedule
 
-LAYERS = ["n_layers=4", "batch_size=16"]
+MODEL = ["n_layers=8", "batch_size=16"]
+SCHEDULES = {  # name -> extra overrides
+    "gpipe": ["schedule=gpipe"],
+    "1f1b": ["schedule=1f1b"],
+    "interleaved": ["schedule=interleaved", "virtual_stages=2"],
+}
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return losses(make_run("single", LAYERS, devices=1))
+    return gradients(make_run("single", MODEL, devices=1))
 
 
+def check_matches(run, reference):
+    ref_loss, ref_grads = reference
+    loss, grads = gradients(run)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_gradients_close(grads, ref_grads, rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("per_stage", [0, 1, 2])  # M = 1, P, 2P
-def test_gpipe_matches_single_device(stages, per_stage, reference):
+def test_schedule_matches_single_device(schedule, stages, per_stage, reference):
     microbatches = max(1, per_stage * stages)
-    run = make_run(f"pipeline={stages}", [*LAYERS, f"microbatches={microbatches}"], devices=stages)
-    np.testing.assert_allclose(losses(run), reference, rtol=1e-5)
+    if schedule == "interleaved" and microbatches % stages:
+        pytest.skip("interleaved needs M to be a multiple of P (tested as an error below)")
+    run = make_run(f"pipeline={stages}", [*MODEL, *SCHEDULES[schedule], f"microbatches={microbatches}"], devices=stages)
+    check_matches(run, reference)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("mesh", ["pipeline=2,data=2,tensor=2", "pipeline=4,fsdp=2"])
-def test_gpipe_composes_with_other_axes(mesh, reference):
-    np.testing.assert_allclose(losses(make_run(mesh, [*LAYERS, "microbatches=4"])), reference, rtol=1e-5)
+def test_schedule_composes_with_other_axes(schedule, mesh, reference):
+    check_matches(make_run(mesh, [*MODEL, *SCHEDULES[schedule], "microbatches=4"]), reference)
 
 
-def test_gpipe_with_gradient_accumulation(reference):
-    run = make_run("pipeline=2,data=2,tensor=2", [*LAYERS, "microbatches=2", "grad_accum=2"])
+def test_stash_of_inputs_recomputes_the_same_gradients(reference):
+    overrides = [*MODEL, "microbatches=4", "pipeline_stash=inputs"]
+    check_matches(make_run("pipeline=2,data=2,tensor=2", overrides), reference)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_training_with_gradient_accumulation_matches_single_device(schedule):
+    """Five optimizer steps: accumulation over 2 pieces of 2 x 4 microbatches each must not rescale anything."""
+    reference = losses(make_run("single", MODEL, devices=1))
+    run = make_run("pipeline=2,data=2,tensor=2", [*MODEL, *SCHEDULES[schedule], "microbatches=4", "grad_accum=2"])
     np.testing.assert_allclose(losses(run), reference, rtol=1e-5)
+
+
+def test_bfloat16_compute_with_full_remat():
+    """Mixed precision and rematerialisation inside the stages: bfloat16 rounding, so a loose tolerance."""
+    overrides = [*MODEL, "dtype=bfloat16", "remat=full"]
+    reference = losses(make_run("single", overrides, devices=1), steps=3)
+    pipelined = losses(make_run("pipeline=2,data=2,tensor=2", [*overrides, "microbatches=4"]), steps=3)
+    np.testing.assert_allclose(pipelined, reference, rtol=2e-2)
+
+
+def test_1f1b_keeps_less_activation_memory_than_gpipe():
+    """At M = 4P GPipe stashes every microbatch's activations; 1F1B at most 2P - 1 (see jaxtrain.schedules)."""
+    temp = {}
+    for schedule in ("gpipe", "1f1b"):
+        overrides = ["n_layers=8", "batch_size=32", f"schedule={schedule}", "microbatches=16"]
+        run = make_run("pipeline=4", overrides, devices=4)
+        temp[schedule] = run.compiled_grad.memory_analysis().temp_size_in_bytes
+    assert temp["1f1b"] < 0.7 * temp["gpipe"], temp
 
 
 def test_stages_pass_activations_and_never_gather_other_stages_weights():
-    run = make_run("pipeline=4", [*LAYERS, "microbatches=4"], devices=4)
+    run = make_run("pipeline=4", [*MODEL, "microbatches=4"], devices=4)
     found = collectives(run.train_step.as_text())
     assert any(c.kind == "collective-permute" for c in found)
     stacked = {tuple(p.shape) for p in jax.tree.leaves(run.plan.abstract_state["params"]["blocks"])}
@@ -43,14 +87,56 @@ def test_stages_pass_activations_and_never_gather_other_stages_weights():
     assert not [s for s in gathers if s in stacked]  # no stage ever holds all layers' weights
 
 
+def test_uneven_costs_are_balanced_and_still_exact():
+    """A head as costly as ~2.5 layers: equal layer counts leave the last stage 1.5x the mean; balancing by
+    estimated FLOPs gives it fewer layers (padded storage), and the result is still the 1-device one."""
+    model = ["n_layers=12", "vocab_size=2048", "batch_size=16", "microbatches=4"]
+    balanced = make_run("pipeline=4", model, devices=4)
+    uniform = make_run("pipeline=4", [*model, "stage_balance=uniform"], devices=4)
+    uniform_costs = uniform.pipeline.layout, balanced.pipeline.costs
+    costs = balanced.pipeline.stage_costs()
+    assert max(costs) <= 1.25 * np.mean(costs), costs
+    even = [balanced.pipeline.costs.stage_cost(j, 3, 4) for j in range(4)]  # what uniform's 3 layers each cost
+    assert uniform_costs[0].counts == (3, 3, 3, 3) and max(even) > 1.25 * np.mean(even)
+    assert balanced.pipeline.layout.counts[-1] < 3
+    check_matches(balanced, gradients(make_run("single", model[:3], devices=1)))
+
+
+def test_schedule_bubbles_match_theory():
+    for name, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        for stages in (2, 4):
+            for microbatches in (stages, 4 * stages):
+                schedule = build_schedule(name, stages, virtual, microbatches)
+                assert schedule.bubble() == pytest.approx(schedule.theoretical_bubble())
+    assert build_schedule("1f1b", 4, 1, 16).stash_slots == 7  # 2P - 1, independent of M
+    assert build_schedule("gpipe", 4, 1, 16).stash_slots == 16
+
+
 def test_fewer_layers_than_stages():
-    with pytest.raises(PipelineError, match="2 layers cannot be split evenly into 4 pipeline stages"):
+    with pytest.raises(PipelineError, match="2 layers cannot fill 4 pipeline stages"):
         make_run("pipeline=4,data=2", ["n_layers=2"])
+
+
+def test_microbatches_incompatible_with_interleaved():
+    with pytest.raises(ScheduleError, match="train.microbatches must be a multiple of 2 \\(got 3\\)"):
+        make_run("pipeline=2", ["n_layers=4", "batch_size=12", *SCHEDULES["interleaved"], "microbatches=3"], devices=2)
+
+
+def test_interleaved_chunks_must_divide_layers():
+    with pytest.raises(PipelineError, match="6 layers do not split into 4 equal chunks"):
+        make_run("pipeline=2", ["n_layers=6", *SCHEDULES["interleaved"], "microbatches=2"], devices=2)
 
 
 def test_batch_not_divisible_into_microbatches():
     with pytest.raises(PipelineError, match="a batch of 16 rows does not split into 3 pipeline microbatches"):
-        make_run("pipeline=2", [*LAYERS, "microbatches=3"], devices=2)
+        make_run("pipeline=2", [*MODEL, "microbatches=3"], devices=2)
+
+
+def test_unknown_schedule_and_misplaced_virtual_stages():
+    with pytest.raises(ScheduleError, match="unknown pipeline schedule 'zigzag'"):
+        make_run("pipeline=2", [*MODEL, "schedule=zigzag"], devices=2)
+    with pytest.raises(ScheduleError, match="virtual_stages=2 needs schedule=interleaved"):
+        make_run("pipeline=2", [*MODEL, "virtual_stages=2"], devices=2)
 
 
 def test_model_without_layer_stack():

@@ -2,13 +2,10 @@
 
 import functools
 
-import jax
 import numpy as np
 import pytest
 from conftest import shared_file
-from helpers import losses, make_run
-
-from jaxtrain.step import value_and_grad
+from helpers import assert_gradients_close, gradients, losses, make_run
 
 MESHES = [  # (layout, devices)
     ("data=8", 8),
@@ -31,23 +28,12 @@ def test_losses_match_single_device(mesh, devices, reference_losses):
     assert sharded[-1] < sharded[0]  # it is training, not replaying a constant
 
 
-def gradients(mesh: str, devices: int):
-    run = make_run(mesh, devices=devices)
-    params = run.plan.init_state(run.optimizer, 0)["params"]
-    grad = run.plan.compile(
-        value_and_grad(run.plan.model.loss_fn),
-        run.plan.abstract_state["params"],
-        run.plan.abstract_batch(run.dataset.shapes(8)),
-        donate_state=False,
-    )
-    return jax.device_get(grad(params, run.batch("train", 0))[1])
-
-
 @pytest.mark.parametrize("mesh,devices", [("fsdp=8", 8), ("data=2,fsdp=2,tensor=2", 8)])
 def test_gradients_match_single_device(mesh, devices):
-    reference, sharded = gradients("single", 1), gradients(mesh, devices)
-    for ref, got in zip(jax.tree.leaves(reference), jax.tree.leaves(sharded)):
-        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-7)
+    ref_loss, reference = gradients(make_run("single", devices=1))
+    loss, sharded = gradients(make_run(mesh, devices=devices))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_gradients_close(sharded, reference)
 
 
 @pytest.mark.parametrize("mesh", ["single", "data=8", "data=2,fsdp=2,tensor=2"])

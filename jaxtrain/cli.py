@@ -27,7 +27,15 @@ FLAG_KEYS = {
     "schedule": "train.schedule",
     "microbatches": "train.microbatches",
     "virtual_stages": "train.virtual_stages",
+    "checkpoint_dir": "train.checkpoint_dir",
+    "checkpoint_every": "train.checkpoint_every",
+    "restore": "train.restore",
 }
+
+
+# Exit status after a SIGTERM (preemption) once the checkpoint is on disk: 128 + 15, as if killed by the signal,
+# so schedulers that requeue on SIGTERM see what they expect.
+PREEMPTED_EXIT = 143
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -60,6 +68,11 @@ def _train_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--microbatches", type=int, help="pipeline microbatches per step (default: one per stage)")
     parser.add_argument("--virtual-stages", type=int, help="interleaved schedule: layer chunks per device (V)")
+    parser.add_argument(
+        "--checkpoint-dir", help="save checkpoints here; rerunning the same command resumes from the newest"
+    )
+    parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (and one at the end)")
+    parser.add_argument("--restore", help="start from this checkpoint (a step directory), on any mesh")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
@@ -96,7 +109,7 @@ def train_main(argv: Sequence[str]) -> int:
     enable_compilation_cache()
     from jaxtrain.config import apply_overrides, default_config, describe_config
     from jaxtrain.errors import UserInputError
-    from jaxtrain.run import train
+    from jaxtrain.run import Preempted, train
 
     overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
     if args.mesh:
@@ -112,6 +125,9 @@ def train_main(argv: Sequence[str]) -> int:
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Preempted as stop:
+        print(f"stopped by SIGTERM after step {stop.step}, checkpoint saved; rerun to resume", file=sys.stderr)
+        return PREEMPTED_EXIT
     return 0
 
 

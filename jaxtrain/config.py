@@ -55,6 +55,12 @@ class TrainConfig:
     virtual_stages: int = 1
     stage_balance: str = "cost"
     pipeline_stash: str = "residuals"
+    # Checkpoints (jaxtrain.checkpoint): a directory turns them on; the same command resumes from its newest one.
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 100
+    checkpoint_keep: int = 3  # the newest K ...
+    checkpoint_keep_every: int = 0  # ... plus every M-th step (0: none)
+    restore: str = ""  # start from this checkpoint step directory when checkpoint_dir has none
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4

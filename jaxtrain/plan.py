@@ -87,6 +87,7 @@ class Plan:
     # Under pipeline parallelism: which stage holds which layers. The stacked `layers` dim of the params is stored
     # in this layout's order (padded to equal stages); `params_in_model_order` undoes it.
     layout: StageLayout | None = None
+    optimizer: optax.GradientTransformation | None = None  # whose state mirrors the params
 
     @property
     def state_shardings(self) -> PyTree:
@@ -165,8 +166,57 @@ class Plan:
         """Params (or gradients) as the model defines them, whatever the pipeline layout stores."""
         return self._stored(params, "to_model")
 
+    def state_in_model_order(self, state: PyTree) -> PyTree:
+        """The train state with every param-shaped array (params, optimizer moments) in the model's layer order:
+        what a checkpoint holds, so that it restores under any mesh or pipeline layout."""
+        return self._state(state, "to_model")
+
+    def state_from_model_order(self, state: PyTree) -> PyTree:
+        """The inverse of `state_in_model_order`, placed in this plan's shardings."""
+        if self._is_identity():
+            return jax.device_put(state, self.state_shardings)
+        return jax.jit(lambda s: self._state(s, "to_stored"), out_shardings=self.state_shardings)(state)
+
+    def abstract_model_state(self) -> PyTree:
+        """`abstract_state` in model layer order: what to restore a checkpoint into. Under a padded or interleaved
+        pipeline layout, stacked arrays are restored whole along `layers`, then reordered."""
+        if self._is_identity():
+            return self.abstract_state
+        shapes = jax.eval_shape(lambda s: self._state(s, "to_model"), self.abstract_state)
+
+        def unsharded_layers(x, stored):
+            spec = stored.sharding.spec
+            if x.shape == stored.shape:
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stored.sharding)
+            return jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(self.mesh, PartitionSpec(None, *spec[1:]))
+            )
+
+        return jax.tree.map(unsharded_layers, shapes, self.abstract_state)
+
+    def _is_identity(self) -> bool:
+        return self.layout is None or self.layout.is_identity()
+
+    def _state(self, state: PyTree, direction: str) -> PyTree:
+        if self._is_identity():
+            return state
+        convert = getattr(self.layout, direction)
+
+        def one(x, names):
+            return convert(x) if names and names[0] == "layers" else x
+
+        opt_state = optax.tree_map_params(
+            self.optimizer,
+            one,
+            state["opt_state"],
+            self.model.logical_names,
+            transform_non_params=lambda x: x,
+            is_leaf=is_logical_names,
+        )
+        return {**state, "params": self._stored(state["params"], direction), "opt_state": opt_state}
+
     def _stored(self, params: PyTree, direction: str) -> PyTree:
-        if self.layout is None or self.layout.is_identity():
+        if self._is_identity():
             return params
         convert = getattr(self.layout, direction)
         return jax.tree.map(
@@ -262,7 +312,7 @@ def make_plan(
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings
     )
-    return Plan(mesh, rules, model, param_specs, abstract_state, layout)
+    return Plan(mesh, rules, model, param_specs, abstract_state, layout, optimizer)
 
 
 def _path_tree(tree: PyTree) -> PyTree:

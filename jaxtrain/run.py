@@ -8,8 +8,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxtrain.checkpoint import Checkpoints, restore
 from jaxtrain.config import ConfigError, RunConfig
 from jaxtrain.data import Dataset, global_batch, make_dataset
 from jaxtrain.flops import peak_flops
@@ -182,51 +186,115 @@ def evaluate(run: Setup, params: Any) -> dict[str, float]:
     return {f"val_{k}": float(np.mean([jax.device_get(r[k]) for r in results])) for k in results[0]}
 
 
+class Preempted(Exception):
+    """Training stopped on SIGTERM after saving a checkpoint at `step`."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted after step {step}")
+        self.step = step
+
+
 def train(
     cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None
 ) -> dict[str, Any]:
-    """Run `cfg` to completion. Returns a summary: final metrics, throughput, the logged history and the state."""
+    """Run `cfg` to completion. Returns a summary: final metrics, throughput, the logged history and the state.
+
+    With `train.checkpoint_dir`, it resumes from the newest checkpoint there and saves every `checkpoint_every`
+    steps and at the end; on SIGTERM it finishes the step, saves, and raises `Preempted`.
+    """
     run = setup(cfg, log, devices)
-    state = run.plan.init_state(run.optimizer, cfg.train.seed)
+    checkpoints = _checkpoints(cfg)
+    state, start = _initial_state(run, checkpoints, log)
     peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
     log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
 
     sink = MetricsLog(cfg.train.metrics_file or None, cfg.train.steps, progress=cfg.train.progress)
-    recorder = Recorder(run, peak, sink)
+    recorder = Recorder(run, peak, sink, start)
     steps, pending = cfg.train.steps, None
-    batch = run.batch("train", 0)
-    for step in range(steps):
-        state, metrics = run.train_step(state, batch)
-        done = step + 1
-        if pending:  # read the previous step's metrics only now, while the device runs this step
-            recorder.record(*pending)
-            pending = None
-        if done < steps:
-            batch = run.batch("train", done)  # built on the host while the device computes
-        if done % cfg.train.eval_every == 0 or done == steps:
-            recorder.record(done, metrics, evaluate(run, state["params"]))  # before the next step donates state
-        elif done % cfg.train.log_every == 0:
-            pending = (done, metrics)
+    batch, done = run.batch("train", start), start
+    with _sigterm_flag() as stop:
+        for step in range(start, steps):
+            state, metrics = run.train_step(state, batch)
+            done = step + 1
+            if pending:  # read the previous step's metrics only now, while the device runs this step
+                recorder.record(*pending)
+                pending = None
+            if done < steps:
+                batch = run.batch("train", done)  # built on the host while the device computes
+            if done % cfg.train.eval_every == 0 or done == steps:
+                recorder.record(done, metrics, evaluate(run, state["params"]))  # before the next step donates state
+            elif done % cfg.train.log_every == 0:
+                pending = (done, metrics)
+            if checkpoints and (checkpoints.due(done, steps) or stop.is_set()):
+                checkpoints.save(done, run.plan.state_in_model_order(state), {"step": done, "config": _as_json(cfg)})
+            if stop.is_set():
+                break
     recorder.close()
+    if checkpoints:
+        checkpoints.wait()
+        checkpoints.close()
+    if stop.is_set():
+        raise Preempted(done)
 
     summary = recorder.summary()
     log("done: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return {**summary, "history": recorder.history, "state": state}
 
 
+def _checkpoints(cfg: RunConfig) -> Checkpoints | None:
+    if not cfg.train.checkpoint_dir:
+        return None
+    t = cfg.train
+    return Checkpoints(t.checkpoint_dir, t.checkpoint_every, t.checkpoint_keep, t.checkpoint_keep_every)
+
+
+def _initial_state(run: Setup, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> tuple[Any, int]:
+    """The newest checkpoint in the run's directory, else `train.restore`, else a fresh init; and its step."""
+    plan, cfg = run.plan, run.cfg
+    found = checkpoints.restore_latest(plan.abstract_model_state()) if checkpoints else None
+    if found is None and cfg.train.restore:
+        found = restore(cfg.train.restore, plan.abstract_model_state())
+    if found is None:
+        return plan.init_state(run.optimizer, cfg.train.seed), 0
+    state, meta = found
+    log(f"resuming at step {meta['step']} from a checkpoint")
+    return plan.state_from_model_order(state), int(meta["step"])
+
+
+def _as_json(cfg: RunConfig) -> dict[str, Any]:
+    return {**dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model)}
+
+
+@contextlib.contextmanager
+def _sigterm_flag():
+    """A flag set by SIGTERM while inside (the handler is restored after); off the main thread, never set."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class Recorder:
     """Turns step metrics into log records with throughput and MFU, and keeps the history."""
 
-    def __init__(self, run: Setup, peak: float, sink: MetricsLog):
+    def __init__(self, run: Setup, peak: float, sink: MetricsLog, first_step: int = 0):
         self.run, self.peak, self.sink = run, peak, sink
         self.history: list[dict[str, Any]] = []
-        self.last_step, self.last_time = 0, time.perf_counter()
+        self.first_step = first_step
+        self.last_step, self.last_time = first_step, time.perf_counter()
         self.train_time, self.trained_steps = 0.0, 0
 
     def record(self, step: int, metrics: dict[str, jax.Array], extra: dict[str, float] | None = None) -> None:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         elapsed, steps = time.perf_counter() - self.last_time, step - self.last_step
-        if self.last_step > 0:  # the first interval pays one-off costs (allocation, warm-up): not throughput
+        if (
+            self.last_step > self.first_step
+        ):  # the first interval pays one-off costs (allocation, warm-up): not throughput
             self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + steps
         values["tokens_per_sec"] = self.run.tokens_per_step * steps / elapsed
         values["mfu"] = self.run.flops_per_step * steps / elapsed / self.peak

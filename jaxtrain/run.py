@@ -28,7 +28,7 @@ from jaxtrain.flops import peak_flops
 from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
 from jaxtrain.metrics import MetricsLog
 from jaxtrain.optim import make_optimizer
-from jaxtrain.pipeline import Pipeline, make_pipeline
+from jaxtrain.pipeline import Pipeline, make_pipeline, stacked_layer_count
 from jaxtrain.plan import ModelParts, Plan, make_plan, memory_report, split_model
 from jaxtrain.rules import ShardingRules
 from jaxtrain.step import GradFn, accumulate_gradients, eval_step, replica_gradients, train_step, value_and_grad
@@ -112,6 +112,8 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     log(describe_mesh(mesh))
 
     model = split_model(functools.partial(spec.module, cfg.model))
+    if mesh.shape["pipeline"] > 1:  # a model the pipeline cannot split is an error before any data is read
+        stacked_layer_count(model.logical_names, model.abstract_params)
     optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     dataset = make_dataset(
         cfg.data.source,

@@ -92,15 +92,31 @@ def train_step(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
 ) -> tuple[dict[str, PyTree], dict[str, jax.Array]]:
-    """One optimizer update. Metrics: loss, grad_norm (before clipping), learning_rate, and the loss's own."""
+    """One optimizer update. Metrics: loss, grad_norm (before clipping), learning_rate, nonfinite, and the loss's own.
+
+    A non-finite loss or gradient leaves params and optimizer state as they were (`nonfinite` is 1): one bad batch
+    or one overflow must not poison the run. The step counter, which is also the data position, still advances.
+    """
     (loss, metrics), grads = grad_fn(state["params"], batch)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+
+    def if_finite(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
     new_state = {
-        "params": optax.apply_updates(state["params"], updates),
-        "opt_state": opt_state,
+        "params": if_finite(optax.apply_updates(state["params"], updates), state["params"]),
+        "opt_state": if_finite(opt_state, state["opt_state"]),
         "step": state["step"] + 1,
     }
-    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state["step"])}
+    metrics = {
+        **metrics,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "learning_rate": schedule(state["step"]),
+        "nonfinite": (~finite).astype(jnp.int32),
+    }
     return new_state, metrics
 
 

@@ -41,7 +41,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxtrain.constraints import constrain, layer_runner
 from jaxtrain.errors import UserInputError
-from jaxtrain.rules import is_logical_names
+from jaxtrain.rules import is_layer_stack, is_logical_names
 from jaxtrain.schedules import Schedule, build_schedule, check_schedule
 from jaxtrain.step import GradFn, LossFn, merge_microbatches, split_microbatches
 
@@ -165,7 +165,7 @@ class _ModelPieces:
 
     def __init__(self, loss_fn: LossFn, treedef: Any, names: list[tuple]):
         self.loss_fn, self.treedef, self.names = loss_fn, treedef, names
-        self.is_stacked = [bool(n) and n[0] == "layers" for n in names]
+        self.is_stacked = [is_layer_stack(n) for n in names]
 
     def split(self, params: PyTree) -> tuple[list, list]:
         leaves = jax.tree.leaves(params)
@@ -388,8 +388,8 @@ def _stage_program(
     def micro_at(m):
         return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, m, keepdims=False), micro)
 
-    def chunk_vjp(v, x):
-        return jax.vjp(lambda r, h: run_chunk(r, h, counts[v, stage]), chunk_rows(v), x)
+    def chunk_vjp(rows, v, x):
+        return jax.vjp(lambda r, h: run_chunk(r, h, counts[v, stage]), rows, x)
 
     if recompute:
         # The stash keeps only each forward's input; the backward runs the chunk's forward again.
@@ -399,18 +399,18 @@ def _stage_program(
             return run_chunk(chunk_rows(v), x, counts[v, stage]), [x]
 
         def restore(v, kept):
-            return chunk_vjp(v, kept[0])[1]
-    else:
+            return chunk_vjp(chunk_rows(v), v, kept[0])[1]
+    elif with_grads:
         # The stash keeps each forward's autodiff residuals, minus the chunk's weights (the same at every tick, so
         # read again at the backward).
         probe_rows = chunk_rows(0)
-        _, probe_vjp = jax.vjp(lambda r, h: run_chunk(r, h, counts[0, 0]), probe_rows, x_micro[0])
+        _, probe_vjp = chunk_vjp(probe_rows, 0, x_micro[0])
         vjp_leaves, vjp_def = jax.tree.flatten(probe_vjp)
         weight_at = [next((i for i, w in enumerate(probe_rows) if leaf is w), -1) for leaf in vjp_leaves]
         stash_like = [leaf for leaf, w in zip(vjp_leaves, weight_at) if w < 0]
 
         def save(v, x):
-            out, vjp = chunk_vjp(v, x)
+            out, vjp = chunk_vjp(chunk_rows(v), v, x)
             return out, [leaf for leaf, w in zip(jax.tree.leaves(vjp), weight_at) if w < 0]
 
         def restore(v, kept):
@@ -531,7 +531,7 @@ def stacked_layer_count(logical_names: PyTree, abstract_params: PyTree) -> int:
     counts = {
         p.shape[0]
         for names, p in zip(jax.tree.leaves(logical_names, is_leaf=is_logical_names), jax.tree.leaves(abstract_params))
-        if names and names[0] == "layers"
+        if is_layer_stack(names)
     }
     if not counts:
         raise PipelineError("the mesh has a pipeline axis, but the model has no stacked `layers` dim to split.")

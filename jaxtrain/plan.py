@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtrain.constraints import activation_sharding
 from jaxtrain.errors import UserInputError
 from jaxtrain.pipeline import StageLayout
-from jaxtrain.rules import ShardingRules, is_logical_names, logical_to_spec
+from jaxtrain.rules import ShardingRules, is_layer_stack, is_logical_names, logical_to_spec
 
 PyTree = Any
 
@@ -169,7 +169,9 @@ class Plan:
     def state_in_model_order(self, state: PyTree) -> PyTree:
         """The train state with every param-shaped array (params, optimizer moments) in the model's layer order:
         what a checkpoint holds, so that it restores under any mesh or pipeline layout."""
-        return self._state(state, "to_model")
+        if self._is_identity():
+            return state
+        return jax.jit(lambda s: self._state(s, "to_model"))(state)
 
     def state_from_model_order(self, state: PyTree) -> PyTree:
         """The inverse of `state_in_model_order`, placed in this plan's shardings."""
@@ -203,7 +205,7 @@ class Plan:
         convert = getattr(self.layout, direction)
 
         def one(x, names):
-            return convert(x) if names and names[0] == "layers" else x
+            return convert(x) if is_layer_stack(names) else x
 
         opt_state = optax.tree_map_params(
             self.optimizer,
@@ -220,7 +222,7 @@ class Plan:
             return params
         convert = getattr(self.layout, direction)
         return jax.tree.map(
-            lambda names, x: convert(x) if names and names[0] == "layers" else x,
+            lambda names, x: convert(x) if is_layer_stack(names) else x,
             self.model.logical_names,
             params,
             is_leaf=is_logical_names,
@@ -278,9 +280,7 @@ def make_plan(
     if layout is not None:
         abstract_params = jax.tree.map(
             lambda names, p: (
-                jax.ShapeDtypeStruct((layout.stored_layers, *p.shape[1:]), p.dtype)
-                if names and names[0] == "layers"
-                else p
+                jax.ShapeDtypeStruct((layout.stored_layers, *p.shape[1:]), p.dtype) if is_layer_stack(names) else p
             ),
             model.logical_names,
             abstract_params,

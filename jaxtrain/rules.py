@@ -99,6 +99,11 @@ def is_logical_names(x: object) -> bool:
     return isinstance(x, tuple) and all(isinstance(n, str | None) for n in x)
 
 
+def is_layer_stack(names: Sequence[str | None]) -> bool:
+    """True for the logical names of a stacked-layers array (leading `layers` dim), which pipelines split."""
+    return bool(names) and names[0] == "layers"
+
+
 def logical_to_spec(
     names: Sequence[str | None],
     shape: Sequence[int],

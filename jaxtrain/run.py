@@ -51,8 +51,11 @@ class Setup:
     pipeline: Pipeline | None = None
 
     def batch(self, split: str, step: int) -> dict[str, jax.Array]:
-        shardings = {k: v.sharding for k, v in self._abstract_batch(self.cfg.train.grad_accum).items()}
-        return global_batch(self.dataset, split, step, self.cfg.data.batch_size, shardings)
+        return global_batch(self.dataset, split, step, self.cfg.data.batch_size, self._batch_shardings)
+
+    @functools.cached_property
+    def _batch_shardings(self) -> dict[str, Any]:  # computed once, not at every step of the loop
+        return {k: v.sharding for k, v in self._abstract_batch(self.cfg.train.grad_accum).items()}
 
     def _abstract_batch(self, grad_accum: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
         return self.plan.abstract_batch(self.dataset.shapes(self.cfg.data.batch_size), grad_accum)

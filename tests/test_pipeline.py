@@ -142,3 +142,16 @@ def test_unknown_schedule_and_misplaced_virtual_stages():
 def test_model_without_layer_stack():
     with pytest.raises(PipelineError, match="has no stacked `layers` dim"):
         make_run("pipeline=2", ["data.source=digits"], model="mlp-tiny", devices=2)
+
+
+def test_evaluation_matches_single_device():
+    """The forward-only schedule used for validation, on a padded layout (3 layers on 2 stages)."""
+    model = ["n_layers=3", "microbatches=4"]
+
+    def val_loss(run):
+        params = run.plan.init_state(run.optimizer, 0)["params"]
+        return float(run.compiled_eval(params, run.batch("val", 0))["loss"])
+
+    pipelined = make_run("pipeline=2,data=2,tensor=2", model)
+    assert pipelined.pipeline.layout.counts == (2, 1)
+    np.testing.assert_allclose(val_loss(pipelined), val_loss(make_run("single", model[:1], devices=1)), rtol=1e-5)

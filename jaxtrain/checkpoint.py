@@ -8,6 +8,10 @@ temporary directory and renames it when complete, so a crash mid-save leaves the
 The data position is the global step: batches are a pure function of (seed, split, step), whatever the device or
 process count, so resuming at step n reads exactly the batches an uninterrupted run would.
 
+For evaluation or fine-tuning, `export_params` writes the params alone (no optimizer state) and `restore_params` reads
+them, from such an export or from a training checkpoint, into any mesh. `describe_checkpoint` reports what a run
+directory, step or export holds from metadata alone (`jaxtrain inspect`, `jaxtrain export`).
+
     >>> checkpoints = Checkpoints("/tmp/run", save_every=100, keep=3)           # doctest: +SKIP
     >>> checkpoints.save(step, plan.state_in_model_order(state), {"step": step})  # doctest: +SKIP
 """
@@ -15,6 +19,8 @@ process count, so resuming at step n reads exactly the batches an uninterrupted 
 from __future__ import annotations
 
 import logging
+import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtrain.errors import UserInputError
+from jaxtrain.plan import fmt_bytes, format_table, total_bytes
 
 PyTree = Any
 log = logging.getLogger(__name__)
@@ -29,6 +36,15 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(UserInputError):
     """A checkpoint that is missing, unreadable, or does not fit the model."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """The save of checkpoint `step` failed (disk full, permission denied, ...); the checkpoints before it are
+    intact."""
+
+    def __init__(self, message: str, step: int | None):
+        super().__init__(message)
+        self.step = step
 
 
 class Checkpoints:
@@ -43,8 +59,13 @@ class Checkpoints:
             keep_period=keep_every or None,
             enable_async_checkpointing=async_save,
             create=True,
+            cleanup_tmp_directories=True,  # what a killed process left half-written
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        except OSError as err:
+            raise CheckpointWriteError(f"cannot use checkpoint directory {self.directory}: {err}.", None) from err
+        self.writing: int | None = None  # the step of a save that may still be in progress
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first."""
@@ -55,10 +76,21 @@ class Checkpoints:
 
     def save(self, step: int, state: PyTree, meta: dict[str, Any]) -> None:
         """Start writing `state` (model order) and `meta` (JSON) as checkpoint `step`; returns once the arrays are
-        copied off the devices, so the next step may reuse their buffers."""
-        self.manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        )
+        copied off the devices, so the next step may reuse their buffers.
+
+        Raises `CheckpointWriteError` if this save, or the previous one still in flight, fails.
+        """
+        self.wait()  # Orbax would wait for the previous save too; waiting here names its failure as its own
+        if step in self.manager.all_steps():  # one newer than the restored one, skipped as unreadable
+            log.warning("replacing checkpoint %s", self.directory / str(step))
+            self.manager.delete(step)
+        try:
+            self.manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+            )
+        except Exception as err:  # noqa: BLE001 - whatever the storage layer raises, the save failed
+            raise self._failed(step, err) from err
+        self.writing = step
 
     def restore_latest(self, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]] | None:
         """The newest checkpoint that reads back, into `abstract_state`'s shapes and shardings; None if there is
@@ -71,8 +103,28 @@ class Checkpoints:
         return None
 
     def wait(self) -> None:
-        """Block until every started save is on disk."""
-        self.manager.wait_until_finished()
+        """Block until every started save is on disk; raises `CheckpointWriteError` if one failed."""
+        step, self.writing = self.writing, None
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as err:  # noqa: BLE001 - as in save
+            raise self._failed(step, err) from err
+
+    def _failed(self, step: int | None, err: Exception) -> CheckpointWriteError:
+        """The error for a failed save of `step`, after removing what it wrote (on a full disk, space matters)."""
+        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        steps = self.steps()
+        intact = (
+            f"the newest complete checkpoint, {self.directory / str(steps[-1])}, is intact"
+            if steps
+            else "no earlier checkpoint exists"
+        )
+        cause = str(err).split(" [tensorstore_spec=")[0]  # tensorstore appends its whole JSON spec
+        return CheckpointWriteError(
+            f"saving checkpoint {self.directory / str(step)} failed ({type(err).__name__}: {cause}); {intact}.", step
+        )
 
     def close(self) -> None:
         self.manager.close()
@@ -84,33 +136,172 @@ class Checkpoints:
         self.close()
 
 
+_STEP_DIR = "a step directory containing 'state' (e.g. runs/x/ckpt/1000)"
+_EXPORT_DIR = "a params export containing 'params' (made by `jaxtrain export`)"
+
+
 def restore(path: str | Path, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
     """Read checkpoint directory `path` (a step directory) into `abstract_state`'s shapes, dtypes and shardings."""
     path = Path(path).absolute()
     if not (path / "state").is_dir():
-        raise CheckpointError(
-            f"no checkpoint at {path}: expected a step directory containing 'state' (e.g. runs/x/ckpt/1000)."
-        )
+        raise _no_checkpoint(path, _STEP_DIR)
     _check_shapes(path, abstract_state)
+    restored = _read(path, state=ocp.args.StandardRestore(abstract_state))
+    return restored["state"], restored["meta"]
+
+
+def export_params(step_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the params of training checkpoint `step_dir`, without the optimizer state, as a params export at
+    `out_dir` (which must not exist) for evaluation or fine-tuning on any mesh: see `restore_params`. Only the params
+    are read, as host arrays; Orbax writes to a temporary directory and renames it when complete, so `out_dir` never
+    holds half an export. Returns `out_dir`."""
+    step_dir, out_dir = Path(step_dir).absolute(), Path(out_dir).absolute()
+    if not (step_dir / "state").is_dir():
+        raise _no_checkpoint(step_dir, _STEP_DIR)
+    if out_dir.exists():
+        raise CheckpointError(
+            f"{out_dir} already exists: an export never overwrites. Give a new directory, or remove this one first."
+        )
+    # Targets without a sharding read as numpy arrays: an export needs no devices, whatever mesh trained the model.
+    host = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _metadata(step_dir, "state")["params"])
+    params, meta = _read_params(step_dir, "state", host)
+    # The export's item holds {"params": ...} as the training state does, so both read through `_read_params`.
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(
+            out_dir,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave({"params": params}),
+                meta=ocp.args.JsonSave({"kind": "params", "step": meta["step"], "config": meta["config"]}),
+            ),
+        )
+    return out_dir
+
+
+def is_params_export(path: str | Path) -> bool:
+    """Whether `path` is a params export (`export_params`) rather than a training checkpoint or anything else."""
+    return (Path(path) / "params").is_dir()
+
+
+def restore_params(path: str | Path, abstract_params: PyTree) -> tuple[PyTree, dict[str, Any]]:
+    """Read the params of `path`, a params export or a training checkpoint's step directory (whose optimizer state is
+    not read), into `abstract_params`' shapes, dtypes and shardings, on any mesh; and the checkpoint's meta."""
+    path = Path(path).absolute()
+    item = _params_item(path)
+    _check_shapes(path, {"params": abstract_params}, item)
+    return _read_params(path, item, abstract_params)
+
+
+def describe_checkpoint(path: str | Path) -> str:
+    """What `path` holds, from metadata alone: no array data is read, so it is quick at any model size and works
+    when the array data files are damaged. A run directory: its complete steps and any interrupted saves, then the
+    newest step. A step directory or params export: every array's path, shape, dtype and bytes; totals for the
+    params and the optimizer state; the step, the model and the mesh it was trained on."""
+    path = Path(path).absolute()
+    if (path / "state").is_dir() or is_params_export(path):
+        return _describe_step(path)
+    steps = _steps(path)
+    interrupted = sorted(ocp.path.step.tmp_checkpoints(path)) if path.is_dir() else []
+    if not steps and not interrupted:
+        raise _no_checkpoint(path, f"a run directory (numbered step directories), {_STEP_DIR}, or {_EXPORT_DIR}")
+    lines = [f"run directory {path}", f"complete steps: {', '.join(map(str, steps)) or 'none'}"]
+    if interrupted:
+        lines.append(f"interrupted saves (incomplete, never restored): {', '.join(interrupted)}")
+    if steps:
+        lines += ["", f"newest step, {steps[-1]}:", _describe_step(path / str(steps[-1]))]
+    return "\n".join(lines)
+
+
+def _describe_step(path: Path) -> str:
+    export = is_params_export(path)
+    meta = _read_meta(path)
+    config = meta.get("config", {})
+    arrays = _arrays(path, "params" if export else "state")
+    groups: dict[str, list] = {}
+    for name, x in arrays.items():
+        groups.setdefault(name.split("/")[0], []).append(x)
+    kind = "params export" if export else "training checkpoint"
+    lines = [
+        f"{kind} {path}: step {meta.get('step')}, model {config.get('model_name')}, trained on mesh "
+        f"{config.get('mesh')}",
+        *format_table(
+            [("array", "shape", "dtype", "bytes")]
+            + [(name, str(tuple(x.shape)), str(x.dtype), f"{total_bytes(x):,}") for name, x in arrays.items()]
+        ),
+    ]
+    lines += [_totals(_GROUP_NAMES.get(group, group), xs) for group, xs in groups.items()]
+    if len(groups) > 1:
+        lines.append(_totals("total", list(arrays.values())))
+    on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    lines.append(f"on disk: {on_disk:,} bytes ({fmt_bytes(on_disk)})")
+    return "\n".join(lines)
+
+
+# How `describe_checkpoint` names the top-level parts of a checkpoint; others (the step) go by their own name.
+_GROUP_NAMES = {"params": "params", "opt_state": "optimizer state"}
+
+
+def _totals(label: str, arrays: list) -> str:
+    values = _count(sum(math.prod(x.shape) for x in arrays), "parameter" if label == "params" else "value")
+    nbytes = total_bytes(arrays)
+    return f"{label}: {_count(len(arrays), 'array')}, {values}, {nbytes:,} bytes ({fmt_bytes(nbytes)})"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _params_item(path: Path) -> str:
+    """The Orbax item of `path` that holds {"params": ...}: 'params' in an export, 'state' in a training checkpoint."""
+    for item in ("params", "state"):
+        if (path / item).is_dir():
+            return item
+    raise _no_checkpoint(path, f"{_EXPORT_DIR} or {_STEP_DIR}")
+
+
+def _read_params(path: Path, item: str, target: PyTree) -> tuple[PyTree, dict[str, Any]]:
+    """The params in `item` of `path` into `target` (ShapeDtypeStructs: with shardings they read as jax.Arrays,
+    without as numpy arrays), and the meta. Nothing else in the item (the optimizer state) is read."""
+    target = {"params": target}
+    # StandardRestore insists on the whole stored tree; PyTreeRestore(partial_restore=True) reads `target`'s keys only.
+    args = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
+    restored = _read(path, **{item: args})
+    return restored[item]["params"], restored["meta"]
+
+
+def _read(path: Path, **items: ocp.args.CheckpointArgs) -> dict[str, Any]:
+    """Read `items` and the meta of `path`; whatever the storage layer raises is a CheckpointError naming `path`."""
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            restored = checkpointer.restore(
-                path,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
-            )
+            restored = checkpointer.restore(path, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
     except Exception as err:  # noqa: BLE001 - whatever the storage layer raises, the checkpoint is unusable
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}).") from err
-    return restored["state"], dict(restored["meta"])
+    return {**{name: restored[name] for name in items}, "meta": dict(restored["meta"])}
 
 
-def _check_shapes(path: Path, abstract_state: PyTree) -> None:
-    """Compare the stored arrays' shapes with the model's before reading anything, naming the first mismatch."""
+def _read_meta(path: Path) -> dict[str, Any]:
     try:
-        stored = ocp.StandardCheckpointHandler().metadata(path / "state")
-    except (OSError, ValueError, KeyError) as err:
-        raise CheckpointError(f"checkpoint {path} has unreadable metadata ({type(err).__name__}: {err}).") from err
-    stored_tree = getattr(stored, "item_metadata", stored)
-    stored_shapes = {_path(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(stored_tree)[0]}
+        return dict(ocp.JsonCheckpointHandler().restore(path / "meta"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path} has unreadable meta ({type(err).__name__}: {err}).") from err
+
+
+def _steps(path: Path) -> list[int]:
+    """The complete checkpoint steps in run directory `path`, oldest first (none if it is not one)."""
+    return sorted(ocp.path.step.checkpoint_steps(path)) if path.is_dir() else []
+
+
+def _no_checkpoint(path: Path, expected: str) -> CheckpointError:
+    """The error for a `path` that is not the checkpoint `expected`, pointing into it if it is a run directory."""
+    steps = _steps(path)
+    hint = f" {path} is a run directory: give one of its steps, e.g. {path / str(steps[-1])}." if steps else ""
+    return CheckpointError(f"no checkpoint at {path}: expected {expected}.{hint}")
+
+
+def _check_shapes(path: Path, abstract_state: PyTree, item: str = "state") -> None:
+    """Compare the shapes stored in `item` with the model's before reading anything, naming the first mismatch."""
+    stored_shapes = {name: tuple(x.shape) for name, x in _arrays(path, item).items()}
     for key, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
         name = _path(key)
         if name not in stored_shapes:
@@ -120,6 +311,23 @@ def _check_shapes(path: Path, abstract_state: PyTree) -> None:
                 f"checkpoint {path} does not match the model: {name} is {stored_shapes[name]} there, "
                 f"{tuple(x.shape)} here. Restore it with the config it was saved with."
             )
+
+
+def _arrays(path: Path, item: str) -> dict[str, Any]:
+    """Orbax's metadata (shape, dtype, ...) of each array in `item` of `path`, by name ('params/blocks/w_in'), params
+    first."""
+    flat = {_path(k): x for k, x in jax.tree_util.tree_flatten_with_path(_metadata(path, item))[0]}
+    return dict(sorted(flat.items(), key=lambda kv: not kv[0].startswith("params/")))
+
+
+def _metadata(path: Path, item: str) -> PyTree:
+    """The tree of array metadata of `item` in `path`. Orbax reads it from the tree metadata file and each array's
+    header in the OCDBT index, never from the array data files."""
+    try:
+        stored = ocp.StandardCheckpointHandler().metadata(path / item)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {path} has unreadable metadata ({type(err).__name__}: {err}).") from err
+    return getattr(stored, "item_metadata", stored)
 
 
 def _path(keys: tuple) -> str:

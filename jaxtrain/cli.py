@@ -3,6 +3,8 @@
 jaxtrain train --simulated-devices 8 --mesh data=2,fsdp=2,tensor=2 --model gpt-tiny --steps 100 n_layers=4
 jaxtrain train --help-config           # every key=value override with its current value
 jaxtrain meshes                        # the shipped mesh layouts
+jaxtrain inspect runs/x/ckpt           # a checkpoint's steps, arrays, shapes, dtypes and sizes, from metadata alone
+jaxtrain export runs/x/ckpt/400 runs/x-params-400   # the params alone, for evaluation or fine-tuning on any mesh
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ FLAG_KEYS = {
 # Exit status after a SIGTERM (preemption) once the checkpoint is on disk: 128 + 15, as if killed by the signal,
 # so schedulers that requeue on SIGTERM see what they expect.
 PREEMPTED_EXIT = 143
+# A checkpoint that could not be written (train.checkpoint_failure=stop, or the final save): EX_IOERR from
+# sysexits.h, so a wrapper can tell storage trouble (fix the disk, rerun: it resumes) from bad input (exit 2).
+CHECKPOINT_WRITE_FAILED_EXIT = 74
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -72,7 +77,9 @@ def _train_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir", help="save checkpoints here; rerunning the same command resumes from the newest"
     )
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (and one at the end)")
-    parser.add_argument("--restore", help="start from this checkpoint (a step directory), on any mesh")
+    parser.add_argument(
+        "--restore", help="start from this checkpoint step directory, or fine-tune from a params export, on any mesh"
+    )
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
@@ -107,6 +114,7 @@ def train_main(argv: Sequence[str]) -> int:
     if args.simulated_devices:
         use_simulated_devices(args.simulated_devices)
     enable_compilation_cache()
+    from jaxtrain.checkpoint import CheckpointWriteError
     from jaxtrain.config import apply_overrides, default_config, describe_config
     from jaxtrain.errors import UserInputError
     from jaxtrain.run import Preempted, train
@@ -122,9 +130,10 @@ def train_main(argv: Sequence[str]) -> int:
             print(describe_config(cfg))
             return 0
         train(cfg)
+    except CheckpointWriteError as err:
+        return _error(err, CHECKPOINT_WRITE_FAILED_EXIT)
     except UserInputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _error(err)
     except Preempted as stop:
         print(f"stopped by SIGTERM after step {stop.step}, checkpoint saved; rerun to resume", file=sys.stderr)
         return PREEMPTED_EXIT
@@ -142,7 +151,61 @@ def meshes_main(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_main, "meshes": meshes_main}
+def inspect_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="jaxtrain inspect",
+        description="Describe a checkpoint from its metadata, without reading array data: a run directory's steps, "
+        "then every array (shape, dtype, bytes) with totals, the step, the model and the mesh.",
+    )
+    parser.add_argument("path", help="a run directory (--checkpoint-dir), one of its step directories, or an export")
+    args = parser.parse_args(argv)
+    _host_only()
+    from jaxtrain.checkpoint import describe_checkpoint
+    from jaxtrain.errors import UserInputError
+
+    try:
+        print(describe_checkpoint(args.path))
+    except UserInputError as err:
+        return _error(err)
+    return 0
+
+
+def export_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="jaxtrain export",
+        description="Write a training checkpoint's params, without the optimizer state, as a new checkpoint for "
+        "evaluation or fine-tuning; it restores onto any mesh.",
+    )
+    parser.add_argument("step_dir", help="a step directory of a training run, e.g. runs/x/ckpt/400")
+    parser.add_argument("out_dir", help="where to write the export (must not exist)")
+    args = parser.parse_args(argv)
+    _host_only()
+    from jaxtrain.checkpoint import export_params
+    from jaxtrain.errors import UserInputError
+
+    try:
+        out = export_params(args.step_dir, args.out_dir)
+    except UserInputError as err:
+        return _error(err)
+    print(f"wrote the params of {args.step_dir} to {out} (see: jaxtrain inspect {out})")
+    return 0
+
+
+def _host_only() -> None:
+    """Keep JAX on the CPU: inspecting and exporting read files on the host, and the accelerators may be busy
+    training (JAX would otherwise claim most of a GPU's memory on start)."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
+def _error(err: Exception, status: int = 2) -> int:
+    """Report an error without a traceback; by default exit status 2 (bad input), like argparse."""
+    print(f"error: {err}", file=sys.stderr)
+    return status
+
+
+COMMANDS = {"train": train_main, "meshes": meshes_main, "inspect": inspect_main, "export": export_main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

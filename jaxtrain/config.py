@@ -61,6 +61,12 @@ class TrainConfig:
     checkpoint_keep: int = 3  # the newest K ...
     checkpoint_keep_every: int = 0  # ... plus every M-th step (0: none)
     restore: str = ""  # start from this checkpoint step directory when checkpoint_dir has none
+    # A save that fails (disk full, permission denied): stop the run (exit 74, the previous checkpoint intact), or
+    # continue, log it, and try again at the next save. The final save must succeed either way.
+    checkpoint_failure: str = "stop"
+    # Updates with a non-finite loss or gradient are skipped and counted; this many in a row restore the newest
+    # checkpoint and skip the batches since (0: never roll back).
+    rollback_after: int = 10
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4

@@ -24,6 +24,7 @@ class MetricsLog:
         self.file = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _drop_partial_line(Path(path))
             self.file = open(path, "a")
         self.stream = stream
         self.bar = tqdm(total=total_steps, file=stream, unit="step", dynamic_ncols=True) if progress else None
@@ -49,6 +50,16 @@ class MetricsLog:
             self.bar.close()
         if self.file:
             self.file.close()
+
+
+def _drop_partial_line(path: Path) -> None:
+    """A process killed mid-write leaves half a line; the resumed run appends after the last whole one."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def _plain(value: Any) -> Any:

@@ -241,18 +241,16 @@ class Plan:
                     str(tuple(param.shape)),
                     " ".join(n or "-" for n in names),
                     " ".join(_axes_str(s) for s in spec),
-                    _fmt_bytes(device_bytes(param)),
+                    fmt_bytes(device_bytes(param)),
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = format_table(rows)
         params, opt = self.abstract_state["params"], self.abstract_state["opt_state"]
         n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
         lines.append(
-            f"params: {n_params:,} ({_fmt_bytes(total_bytes(params))} total, {_fmt_bytes(tree_device_bytes(params))}"
-            f"/device); optimizer state: {_fmt_bytes(total_bytes(opt))} total, "
-            f"{_fmt_bytes(tree_device_bytes(opt))}/device"
+            f"params: {n_params:,} ({fmt_bytes(total_bytes(params))} total, {fmt_bytes(tree_device_bytes(params))}"
+            f"/device); optimizer state: {fmt_bytes(total_bytes(opt))} total, "
+            f"{fmt_bytes(tree_device_bytes(opt))}/device"
         )
         if self.layout is not None:
             layout = self.layout
@@ -338,7 +336,16 @@ def _axes_str(axes: Any) -> str:
     return "+".join(axes) if isinstance(axes, tuple) else str(axes)
 
 
-def _fmt_bytes(n: float) -> str:
+def format_table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as left-aligned columns, the first row a header underlined with dashes."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def fmt_bytes(n: float) -> str:
+    """'512 B', '1.5 KiB', '2.0 GiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -354,8 +361,8 @@ def memory_report(compiled: jax.stages.Compiled) -> str:
     bound = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
     peak = getattr(m, "peak_memory_in_bytes", 0)
     return (
-        f"compiled step memory per device: arguments {_fmt_bytes(m.argument_size_in_bytes)}, outputs "
-        f"{_fmt_bytes(m.output_size_in_bytes)} (donated/aliased {_fmt_bytes(m.alias_size_in_bytes)}), temporaries "
-        f"{_fmt_bytes(m.temp_size_in_bytes)}; at most {_fmt_bytes(bound)} live"
-        + (f" (XLA's peak estimate {_fmt_bytes(peak)})" if peak else "")
+        f"compiled step memory per device: arguments {fmt_bytes(m.argument_size_in_bytes)}, outputs "
+        f"{fmt_bytes(m.output_size_in_bytes)} (donated/aliased {fmt_bytes(m.alias_size_in_bytes)}), temporaries "
+        f"{fmt_bytes(m.temp_size_in_bytes)}; at most {fmt_bytes(bound)} live"
+        + (f" (XLA's peak estimate {fmt_bytes(peak)})" if peak else "")
     )

@@ -10,6 +10,7 @@ Sections:
   overhead   our train step vs a minimal hand-written jax.jit step of the same model and shardings (target <= 1.05)
   compile    compile time of a 4-layer vs a 32-layer model (target ratio <= 1.5: layers are scanned)
   pipeline   measured bubble of each pipeline schedule vs theory, and activation memory (P = 2 and 4)
+  checkpoint how long an async vs a sync save holds up the training loop; save/restore MB/s vs the disk's own speed
   maxtext    our default GPT path vs MaxText 0.2.5 on the same shape and mesh (scripts/maxtext_baseline.sh), alternated
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -227,6 +229,107 @@ def bench_pipeline(args, peak) -> dict:
     return results
 
 
+# A model whose train state (params + Adam moments, float32) is about 300 MB, big enough for disk speed to matter.
+CHECKPOINT_SHAPE = ["n_layers=8", "d_model=512", "n_heads=8", "d_ff=2048", "vocab_size=256", "seq_len=128"]
+
+
+def disk_write_speed(path: Path, nbytes: int, chunk: int = 64 << 20) -> float:
+    """MB/s of writing `nbytes` of incompressible bytes to `path` and fsync-ing it, as Orbax's writes do."""
+    data = os.urandom(min(chunk, nbytes))
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for offset in range(0, nbytes, len(data)):
+            f.write(data[: nbytes - offset])
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return nbytes / seconds / 1e6
+
+
+def bench_checkpoint(args, peak) -> dict:
+    """Saves of a trained state (Adam moments non-zero, so compression does not flatter the numbers), interleaved:
+    the time `save` blocks, async and sync; the extra time a save adds to `--steps` training steps; write and
+    restore throughput; and the disk's own fsync-ed write speed measured in the same run."""
+    from jaxtrain.checkpoint import Checkpoints, restore
+
+    run = make(args.checkpoint_mesh, CHECKPOINT_SHAPE)
+    state, batch = run.plan.init_state(run.optimizer, 0), run.batch("train", 0)
+    for _ in range(2):
+        state, metrics = run.train_step(state, batch)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(run.plan.state_in_model_order(state)))
+    abstract = run.plan.abstract_model_state()
+    holder = {"state": state}
+
+    def loop(checkpoints, step: int) -> float:
+        """Seconds for `args.steps` train steps with one save (if `checkpoints`) after the first."""
+        start = time.perf_counter()
+        for i in range(args.steps):
+            holder["state"], metrics = run.train_step(holder["state"], batch)
+            if checkpoints and i == 0:
+                checkpoints.save(step, run.plan.state_in_model_order(holder["state"]), {"step": step})
+        jax.block_until_ready(metrics)
+        seconds = time.perf_counter() - start
+        if checkpoints:
+            checkpoints.wait()  # outside the timing: in training the write would overlap later steps
+        return seconds
+
+    samples: dict[str, list[float]] = {}
+
+    def sample(name: str, value: float) -> None:
+        samples.setdefault(name, []).append(value)
+
+    with tempfile.TemporaryDirectory(dir=args.checkpoint_dir) as root:
+        root = Path(root)
+        disk = [disk_write_speed(root / "probe", nbytes) for _ in range(2)]
+        managers = {
+            mode: Checkpoints(root / mode, save_every=1, keep=2, async_save=mode == "async")
+            for mode in ("async", "sync")
+        }
+        first = {}
+        for mode, checkpoints in managers.items():  # the first save of a process compiles Orbax's slicing ops
+            start = time.perf_counter()
+            checkpoints.save(1, run.plan.state_in_model_order(state), {"step": 1})
+            checkpoints.wait()
+            first[mode] = round(time.perf_counter() - start, 3)
+        loop(None, 0)  # warm-up
+        for step in range(2, args.rounds + 2):
+            sample("loop", loop(None, 0))
+            for mode, checkpoints in managers.items():
+                saved = run.plan.state_in_model_order(holder["state"])
+                jax.block_until_ready(saved)
+                start = time.perf_counter()
+                checkpoints.save(step, saved, {"step": step})
+                blocked = time.perf_counter() - start
+                checkpoints.wait()
+                sample(f"{mode}_blocked", blocked)
+                sample(f"{mode}_written", time.perf_counter() - start)
+                sample(f"loop_{mode}", loop(checkpoints, 1000 + step))
+            start = time.perf_counter()
+            jax.block_until_ready(restore(root / "sync" / str(step), abstract))
+            sample("restore", time.perf_counter() - start)
+        for checkpoints in managers.values():
+            checkpoints.close()
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    mb = nbytes / 1e6
+    disk_mb_s = statistics.median(disk)
+    return {
+        "mesh": args.checkpoint_mesh,
+        "state_mb": round(mb, 1),
+        "train_steps_per_round": args.steps,
+        "step_time_s": round(median["loop"] / args.steps, 4),
+        "first_save_s": first,
+        "save_blocks_s": {mode: round(median[f"{mode}_blocked"], 4) for mode in managers},
+        "async_blocks_vs_sync": round(median["async_blocked"] / median["sync_blocked"], 3),
+        "loop_extra_s_per_save": {mode: round(median[f"loop_{mode}"] - median["loop"], 4) for mode in managers},
+        "save_mb_s": {mode: round(mb / median[f"{mode}_written"], 1) for mode in managers},
+        "restore_mb_s": round(mb / median["restore"], 1),
+        "disk_write_mb_s": round(disk_mb_s, 1),
+        "save_vs_disk": round(mb / median["sync_written"] / disk_mb_s, 3),
+        "restore_note": "reads just-written files, so largely from the page cache",
+    }
+
+
 def run_maxtext(steps: int) -> dict:
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "maxtext_baseline.sh"), str(steps)], capture_output=True, text=True, check=True
@@ -287,6 +390,7 @@ SECTIONS = {
     "overhead": bench_overhead,
     "compile": bench_compile,
     "pipeline": bench_pipeline,
+    "checkpoint": bench_checkpoint,
     "maxtext": bench_maxtext,
 }
 
@@ -299,6 +403,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
     parser.add_argument("--pipeline-stages", default="2,4", help="pipeline section: stage counts P to measure")
+    parser.add_argument("--checkpoint-mesh", default="fsdp=8", help="checkpoint section: the mesh saved from")
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="checkpoint section: where to write (default: a tmp dir)"
+    )
     parser.add_argument("--maxtext-rounds", type=int, default=3)
     parser.add_argument("--maxtext-steps", type=int, default=40)
     args = parser.parse_args()

@@ -1,0 +1,220 @@
+"""Fault tolerance: a run killed at any moment (SIGKILL, also mid-save) resumes to the same numbers; failed writes are
+reported and leave the previous checkpoint intact; non-finite steps in a row roll back to the last checkpoint."""
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from orbax.checkpoint._src.path import async_path
+
+from jaxtrain import run as run_module
+from jaxtrain.checkpoint import CheckpointWriteError, restore
+from jaxtrain.config import apply_overrides, default_config
+from jaxtrain.run import Diverged, Setup, build, train
+
+ROOT = Path(__file__).resolve().parent.parent
+EVERY = 10  # steps between checkpoints in the kill test
+STEPS = 50
+
+
+def train_command(directory: Path, metrics: Path) -> list[str]:
+    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "--simulated-devices", "8", "--model", "gpt-tiny"]
+    command += ["--mesh", "data=2,fsdp=2,tensor=2", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32"]
+    command += ["--log-every", "1", "--eval-every", "1000", "--checkpoint-every", str(EVERY), "--no-progress"]
+    return [*command, "--checkpoint-dir", str(directory), "--metrics-file", str(metrics), "warmup_steps=2"]
+
+
+def logged_losses(metrics: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every complete line; a SIGKILL can cut the last one short."""
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [(r["step"], r["loss"]) for r in map(json.loads, (line for line in lines if line.endswith("}")))]
+
+
+def saving(directory: Path) -> bool:
+    return any(directory.glob("*.orbax-checkpoint-tmp*"))
+
+
+def kill_when(process: subprocess.Popen, ready, timeout: float = 120.0) -> bool:
+    """SIGKILL `process` as soon as `ready()` holds; False if it finished first."""
+    deadline = time.time() + timeout
+    while process.poll() is None and time.time() < deadline:
+        if ready():
+            process.kill()
+            process.wait()
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def newest(directory: Path) -> int:
+    """The newest complete checkpoint (Orbax renames a finished write to its step number), read without Orbax,
+    whose manager would clean up the interrupted writes this test looks for."""
+    return max([int(p.name) for p in directory.glob("*") if p.name.isdigit()], default=0)
+
+
+def final_params(directory: Path) -> list[np.ndarray]:
+    cfg = apply_overrides(default_config("gpt-tiny"), ["batch_size=8", "seq_len=32", "mesh=data=8"])
+    state, _ = restore(directory / str(STEPS), build(cfg, log=lambda *_: None).plan.abstract_model_state())
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
+
+
+def test_sigkill_at_random_moments_loses_nothing(tmp_path):
+    """Kill -9 the train command at random moments, two of them while an asynchronous save is being written, and
+    rerun the same command each time: every logged loss equals the uninterrupted run's, the final state is
+    bit-equal, and each restart redoes at most one save interval (plus the steps that ran during the lost write)."""
+    reference = tmp_path / "reference"
+    done = subprocess.run(train_command(reference, reference / "m.jsonl"), capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    want = dict(logged_losses(reference / "m.jsonl"))
+    assert sorted(want) == list(range(1, STEPS + 1))
+
+    directory, metrics = tmp_path / "killed", tmp_path / "killed.jsonl"
+    command, rng = train_command(directory, metrics), random.Random(0)
+
+    def reached(step: int) -> bool:
+        return max((s for s, _ in logged_losses(metrics)), default=0) >= step
+
+    # Spread over the run: at a random step, then while the first save after step 20 is being written, ...
+    first, third = rng.randint(13, 19), rng.randint(33, 39)
+    kills = [
+        lambda: reached(first),
+        lambda: reached(20) and saving(directory),
+        lambda: reached(third),
+        lambda: reached(40) and saving(directory),
+    ]
+    redone = []  # (steps the next process redoes, whether a write was cut short)
+    for kill in kills:
+        begun, resumed_from = len(logged_losses(metrics)), newest(directory)
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        assert kill_when(process, kill), process.stderr.read()
+        steps_run = [step for step, _ in logged_losses(metrics)[begun:]]
+        assert steps_run[0] == resumed_from + 1  # picked up right after the newest complete checkpoint
+        redone.append((steps_run[-1] - newest(directory), saving(directory)))
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert finished.returncode == 0, finished.stderr
+
+    got = logged_losses(metrics)
+    assert {step for step, _ in got} == set(range(1, STEPS + 1))
+    for step, loss in got:
+        assert loss == pytest.approx(want[step], rel=1e-6), step
+    for a, b in zip(final_params(directory), final_params(reference)):
+        np.testing.assert_array_equal(a, b)
+    # A kill mid-write also loses the steps run while it wrote, fewer than one interval: the next save waits for it.
+    assert all(steps < (2 * EVERY if mid_write else EVERY) for steps, mid_write in redone), redone
+    assert not saving(directory)  # the interrupted writes were cleaned up
+
+
+RUN = ["batch_size=8", "seq_len=32", "warmup_steps=1", "learning_rate=0.01", "log_every=1", "eval_every=1000"]
+RUN += ["progress=false", "mesh=data=8"]
+
+
+def config(directory: Path | None, extra=()):
+    where = [f"checkpoint_dir={directory}"] if directory else []
+    return apply_overrides(default_config("gpt-tiny"), [*RUN, *where, *extra])
+
+
+@pytest.fixture
+def poisoned_batches(monkeypatch):
+    """Train batches whose index is in the returned set give a NaN loss (their tokens are all NUL, a byte the
+    built-in text never has, and the wrapped loss turns that into NaN)."""
+    bad: set[int] = set()
+    make_grad_fn, make_batch = run_module._grad_fn, Setup.batch
+
+    def grad_fn(cfg, plan, pipeline):
+        inner = make_grad_fn(cfg, plan, pipeline)
+
+        def poisoned(params, batch):
+            (loss, metrics), grads = inner(params, batch)
+            return (jnp.where(jnp.all(batch["tokens"] == 0), jnp.nan, loss), metrics), grads
+
+        return poisoned
+
+    def batch(self, split, index):
+        batch = make_batch(self, split, index)
+        if split == "train" and index in bad:
+            batch = {k: jax.device_put(jnp.zeros_like(v), v.sharding) for k, v in batch.items()}
+        return batch
+
+    monkeypatch.setattr(run_module, "_grad_fn", grad_fn)
+    monkeypatch.setattr(Setup, "batch", batch)
+    return bad
+
+
+def test_nonfinite_steps_in_a_row_roll_back_and_skip_the_data(poisoned_batches, tmp_path):
+    """Batches 5-7 are poisoned: steps 6-8 are skipped and counted; at the third in a row the run restores step 4's
+    checkpoint and continues with batch 8, so step 5 is trained on batch 8."""
+    poisoned_batches.update({5, 6, 7})
+    cfg = config(tmp_path / "ckpt", ["steps=10", "checkpoint_every=4", "rollback_after=3"])
+    logs = []
+    summary = train(cfg, log=logs.append)
+    assert summary["rollbacks"] == 1 and summary["nonfinite_total"] == 3
+    assert any("rolled back to the checkpoint of step 4; continuing at batch 8" in line for line in logs), logs
+    records = summary["history"]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9, 10]
+    assert [r["nonfinite"] for r in records[5:7]] == [1, 1] and all(np.isfinite(r["loss"]) for r in records[7:])
+    assert records[-1]["nonfinite_total"] == 3
+
+    run = build(cfg, log=lambda *_: None)  # step 5 after the rollback: step 4's params on batch 8
+    state, meta = restore(tmp_path / "ckpt" / "4", run.plan.abstract_model_state())
+    expected = run.compiled_eval(run.plan.state_from_model_order(state)["params"], run.batch("train", 8))["loss"]
+    assert records[7]["loss"] == pytest.approx(float(expected), rel=1e-6)
+    _, meta = restore(tmp_path / "ckpt" / "10", run.plan.abstract_model_state())
+    assert (meta["step"], meta["data_offset"], meta["nonfinite_total"], meta["rollbacks"]) == (10, 4, 3, 1)
+
+
+def test_nonfinite_steps_without_a_checkpoint_stop_with_advice(poisoned_batches):
+    poisoned_batches.update({2, 3})
+    with pytest.raises(Diverged, match="2 non-finite steps in a row \\(steps 3-4\\) and no checkpoint to roll back"):
+        train(config(None, ["steps=8", "rollback_after=2"]), log=lambda *_: None)
+
+
+def test_isolated_nonfinite_steps_are_skipped_and_counted(poisoned_batches):
+    poisoned_batches.update({1, 4})
+    summary = train(config(None, ["steps=6"]), log=lambda *_: None)
+    assert summary["nonfinite_total"] == 2 and summary["rollbacks"] == 0 and np.isfinite(summary["loss"])
+
+
+@pytest.fixture
+def disk_full_at_step(monkeypatch):
+    """Make the asynchronous write of checkpoint N fail as a full disk does: Orbax's commit of that step raises
+    ENOSPC in its background thread."""
+    failing: set[int] = set()
+    write_text = async_path.write_text
+
+    async def full_disk(path, text):
+        if any(f"/{step}.orbax-checkpoint-tmp" in str(path) for step in failing):
+            raise OSError(28, "No space left on device", str(path))
+        return await write_text(path, text)
+
+    monkeypatch.setattr(async_path, "write_text", full_disk)
+    return failing
+
+
+def test_failed_write_stops_the_run_naming_the_path(disk_full_at_step, tmp_path):
+    disk_full_at_step.add(4)
+    directory = tmp_path / "ckpt"
+    with pytest.raises(CheckpointWriteError) as failure:
+        train(config(directory, ["steps=8", "checkpoint_every=2"]), log=lambda *_: None)
+    message = str(failure.value)
+    assert f"saving checkpoint {directory / '4'} failed" in message and "No space left on device" in message
+    assert f"the newest complete checkpoint, {directory / '2'}, is intact" in message
+    assert sorted(p.name for p in directory.iterdir()) == ["2"]  # the partial write is gone, step 2 untouched
+    run = build(config(directory, ["steps=8"]), log=lambda *_: None)
+    _, meta = restore(directory / "2", run.plan.abstract_model_state())
+    assert meta["step"] == 2
+
+
+def test_failed_write_can_be_survived(disk_full_at_step, tmp_path):
+    disk_full_at_step.add(4)
+    directory, logs = tmp_path / "ckpt", []
+    summary = train(config(directory, ["steps=8", "checkpoint_every=2", "checkpoint_failure=continue"]), logs.append)
+    assert summary["steps"] == 8
+    assert any("saving checkpoint" in line and "Training continues" in line for line in logs), logs
+    assert sorted(int(p.name) for p in directory.iterdir()) == [2, 6, 8]  # keep=3; 4 was never written

@@ -2,6 +2,7 @@
 
 jaxtrain train --simulated-devices 8 --mesh data=2,fsdp=2,tensor=2 --model gpt-tiny --steps 100 n_layers=4
 jaxtrain train --help-config           # every key=value override with its current value
+jaxtrain comm --simulated-devices 8 --mesh data=2,tensor=4 --model gpt-tiny   # bytes sent per step, no training
 jaxtrain meshes                        # the shipped mesh layouts
 jaxtrain inspect runs/x/ckpt           # a checkpoint's steps, arrays, shapes, dtypes and sizes, from metadata alone
 jaxtrain export runs/x/ckpt/400 runs/x-params-400   # the params alone, for evaluation or fine-tuning on any mesh
@@ -14,6 +15,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # jaxtrain modules are imported lazily here: JAX must see --simulated-devices before it starts
+    from jaxtrain.config import RunConfig
 
 # Flag -> config key; anything else is given as key=value.
 FLAG_KEYS = {
@@ -43,10 +48,12 @@ PREEMPTED_EXIT = 143
 CHECKPOINT_WRITE_FAILED_EXIT = 74
 
 
-def _train_parser() -> argparse.ArgumentParser:
+def _train_parser(
+    prog: str = "jaxtrain train", does: str = "Train a model on a device mesh."
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="jaxtrain train",
-        description="Train a model on a device mesh. Extra key=value arguments override any config field "
+        prog=prog,
+        description=f"{does} Extra key=value arguments override any config field "
         "(n_layers=4, optimizer.learning_rate=1e-3, rules.embed=fsdp, ...).",
     )
     parser.add_argument("--model", default="gpt", help="model[-preset]: gpt, gpt-tiny, gpt-small, gpt-1b, mlp, ...")
@@ -109,27 +116,43 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", cache)
 
 
-def train_main(argv: Sequence[str]) -> int:
-    args = _train_parser().parse_args(argv)
+def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse train's flags from `argv` and set JAX up for them (simulated devices, compilation cache), before
+    anything imports code that could start a backend."""
+    args = parser.parse_args(argv)
     if args.simulated_devices:
         use_simulated_devices(args.simulated_devices)
     enable_compilation_cache()
-    from jaxtrain.checkpoint import CheckpointWriteError
+    return args
+
+
+def _run_config(args: argparse.Namespace) -> RunConfig | None:
+    """The run config that train's flags and key=value overrides describe; None after printing every config key
+    (--help-config). Raises UserInputError for a bad override."""
     from jaxtrain.config import apply_overrides, default_config, describe_config
-    from jaxtrain.errors import UserInputError
-    from jaxtrain.run import Preempted, train
 
     overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
     if args.mesh:
         overrides.append(f"mesh={args.mesh}")
     if args.no_progress:
         overrides.append("train.progress=false")
+    cfg = apply_overrides(default_config(args.model), [*overrides, *args.overrides])
+    if args.help_config:
+        print(describe_config(cfg))
+        return None
+    return cfg
+
+
+def train_main(argv: Sequence[str]) -> int:
+    args = _train_args(argv, _train_parser())
+    from jaxtrain.checkpoint import CheckpointWriteError
+    from jaxtrain.errors import UserInputError
+    from jaxtrain.run import Preempted, train
+
     try:
-        cfg = apply_overrides(default_config(args.model), [*overrides, *args.overrides])
-        if args.help_config:
-            print(describe_config(cfg))
-            return 0
-        train(cfg)
+        cfg = _run_config(args)
+        if cfg is not None:
+            train(cfg)
     except CheckpointWriteError as err:
         return _error(err, CHECKPOINT_WRITE_FAILED_EXIT)
     except UserInputError as err:
@@ -137,6 +160,29 @@ def train_main(argv: Sequence[str]) -> int:
     except Preempted as stop:
         print(f"stopped by SIGTERM after step {stop.step}, checkpoint saved; rerun to resume", file=sys.stderr)
         return PREEMPTED_EXIT
+    return 0
+
+
+def comm_main(argv: Sequence[str]) -> int:
+    """Build the run `jaxtrain train` would, compile its step, and print the bytes each device sends per step
+    (per mesh axis and collective kind) without training."""
+    parser = _train_parser(
+        "jaxtrain comm",
+        "Print the communication of a training step, from its compiled program, without training: bytes each device "
+        "sends per step per mesh axis and collective kind. Takes the flags of `jaxtrain train`.",
+    )
+    args = _train_args(argv, parser)
+    from jaxtrain.comm_report import communication_report
+    from jaxtrain.errors import UserInputError
+    from jaxtrain.run import build
+
+    try:
+        cfg = _run_config(args)
+        if cfg is not None:
+            run = build(cfg)
+            print(communication_report(run.train_step, run.plan.mesh).format())
+    except UserInputError as err:
+        return _error(err)
     return 0
 
 
@@ -205,7 +251,13 @@ def _error(err: Exception, status: int = 2) -> int:
     return status
 
 
-COMMANDS = {"train": train_main, "meshes": meshes_main, "inspect": inspect_main, "export": export_main}
+COMMANDS = {
+    "train": train_main,
+    "comm": comm_main,
+    "meshes": meshes_main,
+    "inspect": inspect_main,
+    "export": export_main,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxtrain.checkpoint import Checkpoints, CheckpointWriteError, is_params_export, restore, restore_params
+from jaxtrain.comm_report import communication_report
 from jaxtrain.config import ConfigError, RunConfig
 from jaxtrain.data import Dataset, global_batch, make_dataset
 from jaxtrain.errors import UserInputError
@@ -106,6 +107,7 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     """
     run = build(cfg, log, devices)
     log(memory_report(run.train_step))
+    log(communication_report(run.train_step, run.plan.mesh).format())
     return run
 
 

@@ -1,0 +1,171 @@
+"""How many bytes each device sends per step, per mesh axis and collective kind, read from the compiled program
+before anything runs: its collectives, their shapes, device groups and loop trip counts (see `jaxtrain.hlo`).
+
+Bytes follow the bandwidth-optimal algorithm for each kind, with N devices in a group and B the array's bytes on one
+device: all-reduce 2(N-1)/N·B (ring: reduce-scatter, then all-gather), all-gather (N-1)/N·result, reduce-scatter
+(N-1)·result, all-to-all (N-1)/N·B. A collective-permute sends its operand from each source device only, so
+per-device traffic can be uneven (a parameter server's hot spot); the report shows the busiest device.
+
+    >>> report = communication_report(run.train_step, run.plan.mesh)           # doctest: +SKIP
+    >>> print(report.format([Expected("ring all-reduce of f32 gradients", 2 * 7 / 8 * param_bytes)]))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxtrain.hlo import Collective, collectives
+from jaxtrain.plan import fmt_bytes, format_table
+
+# Fraction of B (all-reduce, all-to-all) or of the result (all-gather, reduce-scatter) each member of an N-device
+# group sends.
+_SHARE: dict[str, Callable[[int], float]] = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: n - 1,
+    "all-to-all": lambda n: (n - 1) / n,
+}
+# The busiest device is reported when it sends this much more than the mean.
+_UNEVEN = 1.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """The collectives of one kind over one set of mesh axes: instructions in the program, their executions per
+    step, and the bytes each device sends per step (indexed by position in `mesh.devices.flat`)."""
+
+    axes: tuple[str, ...]
+    kind: str
+    ops: int
+    executions: int
+    sent: np.ndarray
+
+    @property
+    def mean(self) -> float:
+        return float(self.sent.mean())
+
+    @property
+    def max(self) -> float:
+        return float(self.sent.max())
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """An analytic expectation to print beside the measurement: `bytes` each device sends per step in the
+    collectives over exactly `axes` (any axes when None) of `kinds` (any kind when empty)."""
+
+    label: str
+    bytes: float
+    axes: tuple[str, ...] | None = None
+    kinds: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class CommReport:
+    """Bytes sent per device per step, one `Traffic` row per (mesh axes, collective kind)."""
+
+    mesh: Mesh
+    rows: tuple[Traffic, ...]
+
+    @property
+    def per_device(self) -> np.ndarray:
+        """Bytes each device (by mesh position) sends per step, over all collectives."""
+        return sum((row.sent for row in self.rows), np.zeros(self.mesh.size))
+
+    def measured(self, axes: Sequence[str] | None = None, kinds: Sequence[str] = ()) -> float:
+        """Mean bytes per device per step of the collectives over exactly `axes` (any when None) of `kinds` (any
+        when empty)."""
+        return sum(row.mean for row in self.rows if _selects(row, axes, kinds))
+
+    def format(self, expected: Sequence[Expected] = ()) -> str:
+        """A table of ops, executions and bytes sent per device (mean and max) per axes x kind, a line naming the
+        busiest device when it sends over 10% more than the mean, and each expectation beside its measurement."""
+        title = "communication per step: bytes each device sends (bandwidth-optimal algorithms, from the compiled HLO)"
+        if not self.rows:
+            return f"{title}\n  none: the compiled program has no collectives"
+        table = [("axes", "collective", "ops", "runs/step", "mean/device", "max/device")]
+        table += [
+            (" ".join(r.axes) or "-", r.kind, str(r.ops), str(r.executions), fmt_bytes(r.mean), fmt_bytes(r.max))
+            for r in self.rows
+        ]
+        total = self.per_device
+        ops, runs = sum(r.ops for r in self.rows), sum(r.executions for r in self.rows)
+        table.append(("total", "", str(ops), str(runs), fmt_bytes(total.mean()), fmt_bytes(total.max())))
+        lines = [title, *(line.rstrip() for line in format_table(table))]
+        busiest = int(total.argmax())
+        if total[busiest] > _UNEVEN * total.mean():
+            lines.append(
+                f"busiest device: {self._describe(busiest)} sends {fmt_bytes(total[busiest])}, "
+                f"{total[busiest] / total.mean():.2f}x the mean"
+            )
+        for e in expected:
+            got = self.measured(e.axes, e.kinds)
+            axes = "any axes" if e.axes is None else " ".join(e.axes) or "-"
+            where = f"{axes}, {'/'.join(e.kinds) or 'any collective'}"
+            ratio = f"{got / e.bytes:.3f}" if e.bytes else "-"
+            lines.append(
+                f"expected {e.label}: {fmt_bytes(e.bytes)}; measured ({where}) {fmt_bytes(got)}; ratio {ratio}"
+            )
+        return "\n".join(lines)
+
+    def _describe(self, position: int) -> str:
+        """'id 3 (data=1 fsdp=0)': a device's id and its coordinates on the mesh axes larger than 1."""
+        coords = np.unravel_index(position, self.mesh.devices.shape)
+        live = [f"{a}={int(c)}" for a, c, n in zip(self.mesh.axis_names, coords, self.mesh.devices.shape) if n > 1]
+        return f"id {self.mesh.devices.flat[position].id} ({' '.join(live)})"
+
+
+def _selects(row: Traffic, axes: Sequence[str] | None, kinds: Sequence[str]) -> bool:
+    return (axes is None or set(row.axes) == set(axes)) and (not kinds or row.kind in kinds)
+
+
+def axes_of_group(mesh: Mesh, group: Sequence[int]) -> tuple[str, ...]:
+    """The mesh axes along which the devices at positions `group` (indices into `mesh.devices.flat`) differ, in
+    mesh order: on data=2,fsdp=4, positions 0-3 differ only in fsdp."""
+    coords = np.unravel_index(np.asarray(group, dtype=int), mesh.devices.shape)
+    return tuple(a for a, c in zip(mesh.axis_names, coords) if len(np.unique(c)) > 1)
+
+
+def sent_per_device(collective: Collective, devices: int) -> np.ndarray:
+    """Bytes each of `devices` (by device index in the program) sends in one execution of `collective`."""
+    sent = np.zeros(devices)
+    for source, _ in collective.pairs:
+        sent[source] += collective.bytes
+    for group in collective.groups:
+        sent[list(group)] += collective.bytes * _SHARE[collective.kind](len(group))
+    return sent
+
+
+def communication_report(compiled: jax.stages.Compiled, mesh: Mesh) -> CommReport:
+    """Bytes each device of `mesh` sends per call of `compiled` (a training step), per mesh axes and kind."""
+    positions = _mesh_positions(compiled, mesh)
+    rows: dict[tuple[tuple[str, ...], str], Traffic] = {}
+    for c in collectives(compiled.as_text()):
+        sent = np.zeros(mesh.size)
+        sent[positions] = sent_per_device(c, len(positions)) * c.executions
+        groups = c.groups or c.pairs
+        axes = set().union(*(axes_of_group(mesh, positions[list(g)]) for g in groups))
+        key = (tuple(a for a in mesh.axis_names if a in axes), c.kind)
+        row = rows.get(key, Traffic(*key, 0, 0, np.zeros(mesh.size)))
+        rows[key] = Traffic(*key, row.ops + 1, row.executions + c.executions, row.sent + sent)
+    return CommReport(mesh, tuple(sorted(rows.values(), key=lambda r: (-r.mean, r.axes, r.kind))))
+
+
+def _mesh_positions(compiled: jax.stages.Compiled, mesh: Mesh) -> np.ndarray:
+    """The mesh position (index into `mesh.devices.flat`) of each device index the program's collectives use.
+
+    XLA numbers devices by their place in the program's device assignment. jax.jit assigns `mesh.devices.flat` in
+    order when the shardings use `mesh`; a program compiled over another arrangement of the same devices is mapped
+    through the device ids. With several processes each sees only its own devices: then assume jit's order."""
+    program = compiled.runtime_executable().local_devices()
+    if len(program) != mesh.size:
+        return np.arange(mesh.size)
+    position = {d.id: i for i, d in enumerate(mesh.devices.flat)}
+    if missing := [d.id for d in program if d.id not in position]:
+        raise ValueError(f"the compiled program runs on devices {missing}, which are not in the mesh")
+    return np.array([position[d.id] for d in program])

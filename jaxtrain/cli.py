@@ -172,15 +172,13 @@ def comm_main(argv: Sequence[str]) -> int:
         "sends per step per mesh axis and collective kind. Takes the flags of `jaxtrain train`.",
     )
     args = _train_args(argv, parser)
-    from jaxtrain.comm_report import communication_report
     from jaxtrain.errors import UserInputError
-    from jaxtrain.run import build
+    from jaxtrain.run import build, communication
 
     try:
         cfg = _run_config(args)
         if cfg is not None:
-            run = build(cfg)
-            print(communication_report(run.train_step, run.plan.mesh).format())
+            print(communication(build(cfg)))
     except UserInputError as err:
         return _error(err)
     return 0

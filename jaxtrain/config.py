@@ -43,9 +43,15 @@ class DataConfig:
 class TrainConfig:
     steps: int = 200
     grad_accum: int = 1  # gradient accumulation: the global batch is split into this many sequential pieces
-    # xla: the compiler places gradient reductions (per layer, inside the backward loop, where they can overlap
-    # compute). fused: pure data parallel only, one all-reduce of the whole gradient per step.
+    # How gradients are averaged over the data-parallel axes. xla: the compiler places the reductions (per layer,
+    # inside the backward loop, where they can overlap compute). fused: one all-reduce of the whole gradient per
+    # step. ring | hierarchical | parameter_server: explicit algorithms (jaxtrain/comm.py), in buckets of
+    # grad_bucket_mb, over ps_servers servers, with messages in grad_compression (none | bf16). All but xla need
+    # every parameter replicated over the data-parallel axes.
     grad_sync: str = "xla"
+    grad_bucket_mb: float = 4.0
+    ps_servers: int = 1
+    grad_compression: str = "none"
     # Pipeline parallelism, used when the mesh has a pipeline axis: the schedule (gpipe | 1f1b | interleaved),
     # microbatches per step (0: one per stage), chunks per device for interleaved, and how layers are assigned to
     # stages (cost: balance estimated FLOPs, counting the embedding and head; uniform: equal layer counts), and

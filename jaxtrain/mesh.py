@@ -23,8 +23,10 @@ from jax.sharding import AxisType, Mesh
 
 from jaxtrain.errors import UserInputError
 
-# Slowest links first, fastest last: `tensor` talks every layer, `data` once per step.
-MESH_AXES = ("data", "pipeline", "fsdp", "expert", "tensor")
+# Slowest links first, fastest last: `tensor` talks every layer, `data` once per step. `replica` is data parallelism
+# across the slowest links (hosts, slices): the batch is split over it as over `data`, but gradient synchronisation can
+# treat it apart (grad_sync=hierarchical reduces inside the faster axes first).
+MESH_AXES = ("replica", "data", "pipeline", "fsdp", "expert", "tensor")
 MESHES_DIR = Path(__file__).resolve().parent.parent / "meshes"
 
 

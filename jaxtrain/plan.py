@@ -97,14 +97,20 @@ class Plan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
+    def param_bytes(self) -> int:
+        """Bytes of one full copy of the parameters (what a gradient all-reduce moves)."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.abstract_state["params"]))
+
+    def param_axes(self) -> tuple[str, ...]:
+        """The mesh axes that shard some parameter, in mesh order."""
+        specs = jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        used = {a for spec in specs for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+        return tuple(a for a in self.mesh.axis_names if a in used)
+
     def is_pure_data_parallel(self) -> bool:
         """Every parameter replicated and every non-trivial mesh axis a batch axis."""
         live = {a for a in self.mesh.axis_names if self.mesh.shape[a] > 1}
-        replicated = all(
-            all(a is None for a in spec)
-            for spec in jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        )
-        return replicated and live <= set(self.rules.batch_axes())
+        return not self.param_axes() and live <= set(self.rules.batch_axes())
 
     def batch_sharding(self, shape: tuple[int, ...], grad_accum: int = 1) -> NamedSharding:
         """Rows over the batch axes, other dims whole. Checks the global batch divides evenly."""

@@ -7,7 +7,7 @@ array, or a dimension the axes do not divide is an error naming the array.
 
     >>> rules = ShardingRules.default()
     >>> rules.params["embed"], rules.activations["batch"]
-    (('fsdp',), ('data', 'fsdp'))
+    (('fsdp',), ('replica', 'data', 'fsdp'))
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ DEFAULT_PARAM_RULES: dict[str, AxisRule] = {
 }
 # Activations: the batch is split over every data-like axis; model dims follow tensor parallel.
 DEFAULT_ACTIVATION_RULES: dict[str, AxisRule] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("replica", "data", "fsdp"),
     "seq": (),
     "embed": (),
     "mlp": ("tensor",),

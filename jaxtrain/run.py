@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxtrain.checkpoint import Checkpoints, CheckpointWriteError, is_params_export, restore, restore_params
+from jaxtrain.comm import ALGORITHMS, GradientSync
 from jaxtrain.comm_report import communication_report
 from jaxtrain.config import ConfigError, RunConfig
 from jaxtrain.data import Dataset, global_batch, make_dataset
@@ -53,6 +54,7 @@ class Setup:
     flops_per_step: float
     tokens_per_step: int
     pipeline: Pipeline | None = None
+    grad_sync: GradientSync | None = None  # an explicit gradient synchronisation algorithm, if one is chosen
 
     def batch(self, split: str, step: int) -> dict[str, jax.Array]:
         return global_batch(self.dataset, split, step, self.cfg.data.batch_size, self._batch_shardings)
@@ -107,8 +109,15 @@ def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     """
     run = build(cfg, log, devices)
     log(memory_report(run.train_step))
-    log(communication_report(run.train_step, run.plan.mesh).format())
+    log(communication(run))
     return run
+
+
+def communication(run: Setup) -> str:
+    """The bytes each device sends per step, from the compiled train step, beside the analytic model of an explicit
+    gradient synchronisation when one is chosen."""
+    expected = run.grad_sync.expected(run.plan.param_bytes()) if run.grad_sync else ()
+    return communication_report(run.train_step, run.plan.mesh).format(expected)
 
 
 def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None) -> Setup:
@@ -139,7 +148,8 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     # Check the batch divides over the devices before anything compiles.
     plan.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
 
-    grad_fn = _grad_fn(cfg, plan, pipeline)
+    sync = _gradient_sync(cfg, plan)
+    grad_fn = _grad_fn(cfg, plan, pipeline, sync)
     seq_len = cfg.data.seq_len if spec.task == "lm" else 1
     return Setup(
         cfg,
@@ -151,6 +161,7 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         cfg.model.train_flops(cfg.data.batch_size, seq_len),
         cfg.data.batch_size * seq_len,
         pipeline,
+        sync,
     )
 
 
@@ -174,20 +185,42 @@ def _pipeline(cfg: RunConfig, mesh: Mesh, model: ModelParts, shapes: dict) -> Pi
     )
 
 
-def _grad_fn(cfg: RunConfig, plan: Plan, pipeline: Pipeline | None) -> GradFn:
+def _grad_fn(cfg: RunConfig, plan: Plan, pipeline: Pipeline | None, sync: GradientSync | None) -> GradFn:
     """Loss and gradient of a batch: accumulated over `grad_accum` pieces, synchronised as `grad_sync` says."""
     grad_fn = pipeline.value_and_grad(plan.model.loss_fn) if pipeline else value_and_grad(plan.model.loss_fn)
     grad_fn = accumulate_gradients(grad_fn, cfg.train.grad_accum)
     if cfg.train.grad_sync == "xla":
         return grad_fn
-    if cfg.train.grad_sync != "fused":
-        raise ConfigError(f"train.grad_sync='{cfg.train.grad_sync}': use xla or fused.")
-    if not plan.is_pure_data_parallel():
-        raise ConfigError(
-            "train.grad_sync=fused needs a purely data-parallel mesh (every parameter replicated); "
-            f"mesh '{cfg.mesh}' shards parameters. Use grad_sync=xla."
-        )
-    return replica_gradients(grad_fn, plan.mesh, plan.rules.batch_axes())
+    _check_pure_data_parallel(cfg, plan)
+    if cfg.train.grad_sync == "fused":
+        return replica_gradients(grad_fn, plan.mesh, plan.rules.batch_axes())
+    return sync.wrap(grad_fn, plan.mesh)
+
+
+def _gradient_sync(cfg: RunConfig, plan: Plan) -> GradientSync | None:
+    """The explicit synchronisation algorithm `train.grad_sync` names, over the mesh's data-parallel axes."""
+    t = cfg.train
+    if t.grad_sync in ("xla", "fused"):
+        return None
+    if t.grad_sync not in ALGORITHMS:
+        raise ConfigError(f"train.grad_sync='{t.grad_sync}': use xla, fused, {', '.join(ALGORITHMS)}.")
+    _check_pure_data_parallel(cfg, plan)
+    axes = tuple(a for a in plan.rules.batch_axes() if plan.mesh.shape[a] > 1)
+    bucket = int(t.grad_bucket_mb * 2**20)
+    return GradientSync(t.grad_sync, axes, dict(plan.mesh.shape), bucket, t.ps_servers, t.grad_compression)
+
+
+def _check_pure_data_parallel(cfg: RunConfig, plan: Plan) -> None:
+    if plan.is_pure_data_parallel():
+        return
+    used = plan.param_axes()
+    other = [a for a in plan.mesh.axis_names if plan.mesh.shape[a] > 1 and a not in plan.rules.batch_axes()]
+    why = f"parameters are sharded over {', '.join(used)}" if used else f"axes {', '.join(other)} are not data axes"
+    raise ConfigError(
+        f"train.grad_sync={cfg.train.grad_sync} averages gradients over data-parallel replicas, each holding every "
+        f"parameter; on mesh '{cfg.mesh}' {why}. Use grad_sync=xla, or a mesh of replica/data axes only (for "
+        "fsdp, replicate the weights with rules.params.embed=)."
+    )
 
 
 def evaluate(run: Setup, params: Any) -> dict[str, float]:

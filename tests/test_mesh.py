@@ -29,7 +29,7 @@ def test_two_wildcards():
 
 
 def test_unknown_axis_name_lists_known_axes():
-    with pytest.raises(MeshError, match=r"unknown axis name 'model'.*Known axes: data, pipeline, fsdp, expert, tensor"):
+    with pytest.raises(MeshError, match=r"unknown axis name 'model'.*Known axes: replica, data, pipeline, fsdp, expert, tensor"):
         parse_layout("model=8")
 
 

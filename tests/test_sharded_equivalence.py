@@ -52,7 +52,7 @@ def test_fused_data_parallel_sync_equals_xla_placement(overrides):
 
 
 def test_fused_sync_refuses_sharded_parameters():
-    with pytest.raises(ValueError, match="grad_sync=fused averages gradients over data-parallel replicas.*sharded over fsdp"):
+    with pytest.raises(ValueError, match="grad_sync=fused averages gradients over data-parallel .*sharded over fsdp"):
         make_run("fsdp=8", ["grad_sync=fused"])
 
 

@@ -18,8 +18,10 @@ from models import resolve_model
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup, cosine decay to `min_lr_ratio * learning_rate`, and global-norm clipping."""
+    """AdamW (or plain SGD) with linear warmup, cosine decay to `min_lr_ratio * learning_rate`, and global-norm
+    clipping (`clip_norm` <= 0: none)."""
 
+    name: str = "adamw"  # adamw | sgd
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
@@ -37,6 +39,10 @@ class DataConfig:
     batch_size: int = 32  # global, across all devices and processes
     seq_len: int = 128
     val_fraction: float = 0.1
+    # How labelled training data is split over the `replica` mesh axis: uniform (shuffled) | stratified (each
+    # replica gets the global class mix) | by_label (each replica a few classes: non-IID, the federated setting).
+    # Synchronous training does not care; local SGD / FedAvg does. Text and synthetic data take only uniform.
+    partition: str = "uniform"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,14 @@ class TrainConfig:
     grad_bucket_mb: float = 4.0
     ps_servers: int = 1
     grad_compression: str = "none"
+    # When gradients meet the params (jaxtrain/updates.py): synchronous | local_sgd | diloco | stale. local_sgd and
+    # diloco train each index of the `replica` mesh axis apart for sync_every steps, then average (diloco: an outer
+    # Nesterov step of outer_lr, outer_momentum); stale applies each gradient `staleness` steps late.
+    sync: str = "synchronous"
+    sync_every: int = 4
+    staleness: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     # Pipeline parallelism, used when the mesh has a pipeline axis: the schedule (gpipe | 1f1b | interleaved),
     # microbatches per step (0: one per stage), chunks per device for interleaved, and how layers are assigned to
     # stages (cost: balance estimated FLOPs, counting the embedding and head; uniform: equal layer counts), and

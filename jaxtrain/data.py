@@ -1,8 +1,9 @@
 """Datasets and the global batch.
 
-Every batch is a pure function of (seed, split, step, row): row r of step s is global sample s * B + r. Nothing
-depends on the device or process count, so a run can start at any step (resume) on any topology. Each process
-builds only the rows its devices hold and `jax.make_array_from_process_local_data` assembles the global array.
+Every batch is a pure function of (seed, split, step, row): row r of step s is global sample s * B + r (labelled
+data can instead be partitioned over replicas, see `Digits`). Nothing depends on the device or process count, so a
+run can start at any step (resume) on any topology. Each process builds only the rows its devices hold and
+`jax.make_array_from_process_local_data` assembles the global array.
 
 Sources: `builtin` (Python standard-library source text, which ships with every Python: no download),
 `synthetic` (uniform random tokens, for benchmarks), a UTF-8/byte text file path (byte-level tokens), and
@@ -11,6 +12,7 @@ Sources: `builtin` (Python standard-library source text, which ships with every 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import sysconfig
 from pathlib import Path
@@ -26,6 +28,10 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
 BUILTIN_TEXT_BYTES = 2_000_000
 SPLITS = {"train": 0, "val": 1}
+# How labelled training data is split over replicas (see `Digits`). Only uniform suits unlabelled data.
+PARTITIONS = ("uniform", "stratified", "by_label")
+# Tags that give each partition its own random streams, apart from uniform's (seed, epoch).
+_STRATIFIED, _BY_LABEL = 1, 2
 
 
 class DataError(UserInputError):
@@ -42,6 +48,35 @@ class Dataset(Protocol):
 
 def _row_rng(seed: int, split: str, step: int, row: int) -> np.random.Generator:
     return np.random.default_rng((seed, SPLITS[split], step, row))
+
+
+def check_partition(partition: str, replicas: int) -> None:
+    """Raise a `DataError` for an unknown partition name or a replica count below 1."""
+    if partition not in PARTITIONS:
+        raise DataError(f"unknown data partition '{partition}'. Use one of: {', '.join(PARTITIONS)}.")
+    if replicas < 1:
+        raise DataError(f"the data needs at least 1 replica to partition over, got {replicas}.")
+
+
+def _stratified_order(labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A random order of all examples with every class spread evenly through it.
+
+    The i-th of class c's n_c examples (in random order) gets the key (i + u) / n_c, u uniform in [0, 1): one key
+    in each interval [i / n_c, (i + 1) / n_c), so any L consecutive examples of the order hold L * n_c / N of class
+    c, give or take about 2.
+    """
+    shuffled = rng.permutation(len(labels))
+    key = np.empty(len(labels))
+    for c in np.unique(labels):
+        members = shuffled[labels[shuffled] == c]
+        key[members] = (np.arange(len(members)) + rng.random(len(members))) / len(members)
+    return np.argsort(key, kind="stable")
+
+
+def _by_label_classes(classes: np.ndarray, replicas: int) -> list[np.ndarray]:
+    """by_label's class sets: replica k gets the m = ceil(C / replicas) classes k * m, ..., k * m + m - 1 (mod C)."""
+    m = -(-len(classes) // replicas)
+    return [classes[(k * m + np.arange(m)) % len(classes)] for k in range(replicas)]
 
 
 class ByteText:
@@ -93,13 +128,28 @@ class SyntheticTokens:
 class Digits:
     """8x8 digit images (64 features scaled to [0, 1]) and labels; a fixed seeded 80/20 train/test split.
 
-    Training visits examples in a fresh permutation every epoch: global sample g of the run is example
-    perm_epoch[g mod N] with epoch = g div N. Validation walks the test split in order.
+    Validation walks the test split in order. Training data is split over `replicas` replicas by `partition`: row r
+    of a batch of B rows belongs to replica r div (B / replicas), the block of rows the `replica` mesh axis holds.
+    Each stream below visits its examples in a fresh order every epoch: its sample g is the (g mod n)-th example of
+    epoch g div n's order, n being the stream's size.
+
+    - uniform: one stream, all N examples in random order; row r of step s is its sample s * B + r.
+    - stratified: a stream per replica, replica k's j-th row of step s being its sample s * B / replicas + j. Each
+      epoch's order of all examples is stratified (every class spread evenly, see `_stratified_order`), and replica
+      k takes the k-th of `replicas` equal contiguous pieces of it: replicas see disjoint data, each with the global
+      class mix over any run of steps.
+    - by_label (non-IID, the federated setting): a stream per replica, as for stratified, but replica k sees only
+      the m = ceil(C / replicas) classes k * m, ..., k * m + m - 1 (mod C), in random order: the fewest classes per
+      replica that still cover every class between them. With 10 classes and 8 replicas each sees 2 classes and
+      replicas 5-7 repeat classes 0-5 (each in its own order); with one replica there is nothing to skew.
     """
 
     task = "classification"
 
-    def __init__(self, path: Path, seed: int, test_fraction: float = 0.2):
+    def __init__(
+        self, path: Path, seed: int, test_fraction: float = 0.2, partition: str = "uniform", replicas: int = 1
+    ):
+        check_partition(partition, replicas)
         table = load_digits_csv(path)
         order = np.random.default_rng(1234).permutation(len(table))  # the split is fixed, whatever the run's seed
         n_test = int(len(table) * test_fraction)
@@ -108,27 +158,82 @@ class Digits:
             "train": (features[order[n_test:]], labels[order[n_test:]]),
             "val": (features[order[:n_test]], labels[order[:n_test]]),
         }
-        self.seed = seed
+        self.seed, self.partition, self.replicas = seed, partition, replicas
+        train_labels = self.splits["train"][1]
+        n = len(train_labels)
+        if partition == "stratified":
+            if n < replicas:
+                raise DataError(f"'{path}': {n} training examples cannot be split over {replicas} replicas.")
+            # No fixed examples per stream: every epoch's stratified order is cut into `replicas` equal pieces.
+            self._stream_sizes = [n // replicas] * replicas
+            # A memo, not state: every stream of a batch cuts the same order, and a batch seldom spans over 2 epochs.
+            self._stratified_epoch_cached = functools.lru_cache(maxsize=2)(self._stratified_epoch)
+        else:
+            # Each stream's examples: all of them (uniform), or those of the replica's classes (by_label).
+            if partition == "uniform":
+                self._pools = [np.arange(n)]
+            else:
+                classes = _by_label_classes(np.unique(train_labels), replicas)
+                self._pools = [np.flatnonzero(np.isin(train_labels, c)) for c in classes]
+            self._stream_sizes = [len(pool) for pool in self._pools]
 
     def shapes(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        self._check_batch_size(batch_size)
         return {
             "x": jax.ShapeDtypeStruct((batch_size, 64), np.float32),
             "y": jax.ShapeDtypeStruct((batch_size,), np.int32),
         }
 
     def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
+        self._check_batch_size(batch_size)
         features, labels = self.splits[split]
-        n = len(labels)
-        samples = np.array([step * batch_size + r for r in rows])
+        row_ids = np.array(rows, dtype=np.int64)
         if split == "val":
-            index = samples % n
+            index = (step * batch_size + row_ids) % len(labels)
         else:
-            index = np.empty(len(samples), dtype=np.int64)
-            for epoch in np.unique(samples // n):
-                perm = np.random.default_rng((self.seed, int(epoch))).permutation(n)
-                hit = samples // n == epoch
-                index[hit] = perm[samples[hit] % n]
+            index = self._train_index(step, row_ids, batch_size)
         return {"x": features[index], "y": labels[index]}
+
+    def _check_batch_size(self, batch_size: int) -> None:
+        if batch_size % self.replicas:
+            raise DataError(
+                f"batch size {batch_size} does not split evenly over {self.replicas} replicas "
+                f"(data.partition={self.partition}). Use a batch size that is a multiple of {self.replicas}."
+            )
+
+    def _train_index(self, step: int, rows: np.ndarray, batch_size: int) -> np.ndarray:
+        """The training examples of `rows` of batch `step`. With b rows a stream per batch, row r is sample
+        step * b + (r mod b) of stream r div b."""
+        per_stream = batch_size // len(self._stream_sizes)
+        streams, samples = rows // per_stream, step * per_stream + rows % per_stream
+        index = np.empty(len(rows), dtype=np.int64)
+        for stream in np.unique(streams):
+            mine = streams == stream
+            index[mine] = self._walk(int(stream), samples[mine])
+        return index
+
+    def _walk(self, stream: int, samples: np.ndarray) -> np.ndarray:
+        """Sample g of `stream` is the (g mod n)-th example of epoch g div n's order, n the stream's size."""
+        size = self._stream_sizes[stream]
+        index = np.empty(len(samples), dtype=np.int64)
+        for epoch in np.unique(samples // size):
+            hit = samples // size == epoch
+            index[hit] = self._epoch_order(stream, int(epoch))[samples[hit] % size]
+        return index
+
+    def _epoch_order(self, stream: int, epoch: int) -> np.ndarray:
+        """The training examples `stream` visits in `epoch`, in order."""
+        if self.partition == "stratified":
+            size = self._stream_sizes[stream]
+            return self._stratified_epoch_cached(epoch)[stream * size : (stream + 1) * size]
+        pool = self._pools[stream]
+        # Uniform keeps the (seed, epoch) stream it has always had, so earlier runs resume unchanged.
+        key = (self.seed, epoch) if self.partition == "uniform" else (self.seed, _BY_LABEL, stream, epoch)
+        return pool[np.random.default_rng(key).permutation(len(pool))]
+
+    def _stratified_epoch(self, epoch: int) -> np.ndarray:
+        """All training examples in `epoch`'s stratified order."""
+        return _stratified_order(self.splits["train"][1], np.random.default_rng((self.seed, _STRATIFIED, epoch)))
 
 
 def load_digits_csv(path: Path) -> np.ndarray:
@@ -157,11 +262,24 @@ def builtin_text() -> bytes:
 
 
 def make_dataset(
-    source: str, task: str, *, seq_len: int, seed: int, vocab_size: int = 256, val_fraction: float = 0.1
+    source: str,
+    task: str,
+    *,
+    seq_len: int,
+    seed: int,
+    vocab_size: int = 256,
+    val_fraction: float = 0.1,
+    partition: str = "uniform",
+    replicas: int = 1,
 ) -> Dataset:
-    """The dataset named by `source` for a model of kind `task` ("lm" or "classification")."""
+    """The dataset named by `source` for a model of kind `task` ("lm" or "classification").
+
+    `partition` (one of PARTITIONS) splits labelled training data over `replicas` replicas, see `Digits`.
+    """
+    check_partition(partition, replicas)
     if source == "digits" or source.endswith((".csv", ".csv.gz")):
-        dataset: Dataset = Digits(SHARED_DATA / "digits.csv.gz" if source == "digits" else Path(source), seed)
+        path = SHARED_DATA / "digits.csv.gz" if source == "digits" else Path(source)
+        dataset: Dataset = Digits(path, seed, partition=partition, replicas=replicas)
     elif source == "synthetic":
         dataset = SyntheticTokens(vocab_size, seq_len, seed)
     elif source == "builtin":
@@ -176,6 +294,11 @@ def make_dataset(
         dataset = ByteText(path.read_bytes(), seq_len, seed, val_fraction, name=str(path))
     if dataset.task != task:
         raise DataError(f"data source '{source}' is for {dataset.task} models, but this model needs {task} data.")
+    if partition != "uniform" and dataset.task != "classification":
+        raise DataError(
+            f"data.partition={partition} splits data by label, so it needs labelled data (digits); "
+            f"'{source}' is unlabelled text. Use data.partition=uniform."
+        )
     if task == "lm" and vocab_size < 256 and not isinstance(dataset, SyntheticTokens):
         raise DataError(f"byte-level text needs vocab_size >= 256, the model has {vocab_size}.")
     return dataset

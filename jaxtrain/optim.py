@@ -1,10 +1,10 @@
-"""The optimizer: AdamW, warmup + cosine learning-rate schedule, global-norm gradient clipping."""
+"""The optimizer: AdamW or SGD, warmup + cosine learning-rate schedule, global-norm gradient clipping."""
 
 from __future__ import annotations
 
 import optax
 
-from jaxtrain.config import OptimizerConfig
+from jaxtrain.config import ConfigError, OptimizerConfig
 
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -21,8 +21,11 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = make_schedule(cfg, total_steps)
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay),
-    )
-    return optimizer, schedule
+    if cfg.name == "adamw":
+        update = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay)
+    elif cfg.name == "sgd":  # plain SGD with decoupled weight decay: linear in the gradient, as FedAvg analyses assume
+        update = optax.chain(optax.add_decayed_weights(cfg.weight_decay), optax.sgd(schedule))
+    else:
+        raise ConfigError(f"optimizer.name='{cfg.name}': use adamw or sgd.")
+    clip = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
+    return optax.chain(*clip, update), schedule

@@ -24,6 +24,7 @@ from jaxtrain.constraints import activation_sharding
 from jaxtrain.errors import UserInputError
 from jaxtrain.pipeline import StageLayout
 from jaxtrain.rules import ShardingRules, is_layer_stack, is_logical_names, logical_to_spec
+from jaxtrain.updates import UpdatePolicy
 
 PyTree = Any
 
@@ -87,7 +88,8 @@ class Plan:
     # Under pipeline parallelism: which stage holds which layers. The stacked `layers` dim of the params is stored
     # in this layout's order (padded to equal stages); `params_in_model_order` undoes it.
     layout: StageLayout | None = None
-    optimizer: optax.GradientTransformation | None = None  # whose state mirrors the params
+    optimizer: optax.GradientTransformation | None = None  # whose state, `opt_state`, mirrors the params
+    policy: UpdatePolicy | None = None  # local_sgd, diloco, stale: what they add to the state
 
     @property
     def state_shardings(self) -> PyTree:
@@ -134,14 +136,17 @@ class Plan:
             for k, v in shapes.items()
         }
 
-    def init_state(self, optimizer: optax.GradientTransformation, seed: int) -> PyTree:
-        """The train state, created directly in its shards (no device ever holds the whole thing)."""
+    def init_state(self, optimizer: optax.GradientTransformation, seed: int, params: PyTree | None = None) -> PyTree:
+        """The train state at step 0, created directly in its shards (no device ever holds the whole thing): from
+        the model's initialisation with `seed`, or from `params` (model order, e.g. to fine-tune)."""
 
-        def init():
-            params = self._stored(self.model.init_params(seed), "to_stored")
-            return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+        def init(given):
+            params = self._stored(self.model.init_params(seed) if given is None else given, "to_stored")
+            state_optimizer = self.policy.state_optimizer(optimizer) if self.policy else optimizer
+            state = {"params": params, "opt_state": state_optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+            return {**state, **(self.policy.init_extra(params, optimizer, self.mesh) if self.policy else {})}
 
-        return jax.jit(init, out_shardings=self.state_shardings)()
+        return jax.jit(init, out_shardings=self.state_shardings)(params)
 
     def compile(
         self,
@@ -275,10 +280,12 @@ def make_plan(
     model: ModelParts,
     optimizer: optax.GradientTransformation,
     layout: StageLayout | None = None,
+    policy: UpdatePolicy | None = None,
 ) -> Plan:
     """Shardings for params (from their logical names) and optimizer state (like the params they belong to).
 
     `layout`: under pipeline parallelism, the stacked `layers` dim is stored as `layout` says (padded stages).
+    `policy`: an update policy that adds to the state (per-replica params, delayed gradients).
     """
     abstract_params = model.abstract_params
     if layout is not None:
@@ -300,23 +307,27 @@ def make_plan(
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    state_optimizer = policy.state_optimizer(optimizer) if policy else optimizer
+    abstract_opt = jax.eval_shape(state_optimizer.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
     # Moments shard like their parameters; counts and other scalars are replicated (optax's naive init would put
     # them all on device 0).
     opt_shardings = optax.tree_map_params(
-        optimizer,
+        state_optimizer,
         lambda _, sharding: sharding,
         abstract_opt,
         shardings,
         transform_non_params=lambda _: replicated,
     )
+    extra, extra_shardings = policy.extra_state(abstract_params, shardings, optimizer, mesh) if policy else ({}, {})
     state = {"params": abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32)}
     state_shardings = {"params": shardings, "opt_state": opt_shardings, "step": replicated}
     abstract_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        {**state, **extra},
+        {**state_shardings, **extra_shardings},
     )
-    return Plan(mesh, rules, model, param_specs, abstract_state, layout, optimizer)
+    return Plan(mesh, rules, model, param_specs, abstract_state, layout, state_optimizer, policy)
 
 
 def _path_tree(tree: PyTree) -> PyTree:

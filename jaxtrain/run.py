@@ -36,7 +36,8 @@ from jaxtrain.optim import make_optimizer
 from jaxtrain.pipeline import Pipeline, make_pipeline, stacked_layer_count
 from jaxtrain.plan import ModelParts, Plan, make_plan, memory_report, split_model
 from jaxtrain.rules import ShardingRules
-from jaxtrain.step import GradFn, accumulate_gradients, eval_step, replica_gradients, train_step, value_and_grad
+from jaxtrain.step import GradFn, accumulate_gradients, eval_step, replica_gradients, value_and_grad
+from jaxtrain.updates import UpdatePolicy
 from models import resolve_model
 
 
@@ -126,6 +127,10 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     layout = parse_layout(cfg.mesh)
     mesh = build_mesh(layout, devices)
     rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
+    if cfg.data.partition != "uniform" and rules.batch_axes()[:1] != ("replica",):
+        raise ConfigError(  # a replica's rows are then no longer one contiguous block of the batch
+            f"data.partition={cfg.data.partition} needs 'replica' first in the batch rule; it is {rules.batch_axes()}."
+        )
     log(describe_mesh(mesh))
 
     model = split_model(functools.partial(spec.module, cfg.model))
@@ -139,11 +144,14 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         seq_len=cfg.data.seq_len,
         vocab_size=getattr(cfg.model, "vocab_size", 256),
         val_fraction=cfg.data.val_fraction,
+        partition=cfg.data.partition,
+        replicas=mesh.shape["replica"],
     )
     pipeline = _pipeline(cfg, mesh, model, dataset.shapes(cfg.data.batch_size))
     if pipeline:
         log(pipeline.describe())
-    plan = make_plan(mesh, rules, model, optimizer, pipeline.layout if pipeline else None)
+    policy = _update_policy(cfg, mesh)
+    plan = make_plan(mesh, rules, model, optimizer, pipeline.layout if pipeline else None, policy)
     log(plan.table())
     # Check the batch divides over the devices before anything compiles.
     plan.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
@@ -157,12 +165,26 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         dataset,
         optimizer,
         grad_fn,
-        functools.partial(train_step, grad_fn=grad_fn, optimizer=optimizer, schedule=schedule),
+        policy.step_fn(grad_fn, optimizer, schedule, mesh, cfg.train.steps),
         cfg.model.train_flops(cfg.data.batch_size, seq_len),
         cfg.data.batch_size * seq_len,
         pipeline,
         sync,
     )
+
+
+def _update_policy(cfg: RunConfig, mesh: Mesh) -> UpdatePolicy:
+    t = cfg.train
+    policy = UpdatePolicy(t.sync, t.sync_every, t.staleness, t.outer_lr, t.outer_momentum)
+    policy.check_mesh(mesh)
+    if policy.name != "synchronous" and mesh.shape["pipeline"] > 1:
+        raise ConfigError(f"train.sync={t.sync} with a pipeline axis is not supported yet: use sync=synchronous.")
+    if policy.is_local and t.grad_sync != "xla":
+        raise ConfigError(
+            f"train.grad_sync={t.grad_sync} averages every step's gradient over all replicas, which train.sync="
+            f"{t.sync} exists to avoid: inside each replica XLA reduces the gradient; use grad_sync=xla."
+        )
+    return policy
 
 
 def _pipeline(cfg: RunConfig, mesh: Mesh, model: ModelParts, shapes: dict) -> Pipeline | None:
@@ -457,8 +479,7 @@ def _fine_tune(run: Setup, log: Callable[[str], None]) -> Any:
     plan = run.plan
     params, meta = restore_params(run.cfg.train.restore, plan.abstract_model_state()["params"])
     log(f"starting from the params of step {meta['step']} exported at {run.cfg.train.restore}, with a new optimizer")
-    fresh = plan.state_in_model_order(plan.init_state(run.optimizer, run.cfg.train.seed))
-    return plan.state_from_model_order({**fresh, "params": params})
+    return plan.init_state(run.optimizer, run.cfg.train.seed, params)
 
 
 def _as_json(cfg: RunConfig) -> dict[str, Any]:

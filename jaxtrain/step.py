@@ -99,23 +99,40 @@ def train_step(
     """
     (loss, metrics), grads = grad_fn(state["params"], batch)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = is_finite(loss, grad_norm)
+    params, opt_state = guarded_update(optimizer, grads, state["opt_state"], state["params"], finite)
+    new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}
+    return new_state, step_metrics(metrics, loss, grad_norm, schedule(state["step"]), finite)
+
+
+def is_finite(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
+    return jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+
+def guarded_update(
+    optimizer: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, params: PyTree, apply: jax.Array
+) -> tuple[PyTree, PyTree]:
+    """(params, opt_state) after one optimizer update with `grads` if `apply`, else unchanged."""
 
     def update():
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        return optax.apply_updates(state["params"], updates), opt_state
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state
 
     # A cond rather than a select per array: the skipped branch costs nothing and the taken one no extra pass.
-    params, opt_state = jax.lax.cond(finite, update, lambda: (state["params"], state["opt_state"]))
-    new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
-    metrics = {
+    return jax.lax.cond(apply, update, lambda: (params, opt_state))
+
+
+def step_metrics(
+    metrics: dict[str, jax.Array], loss: jax.Array, grad_norm: jax.Array, learning_rate: jax.Array, finite: jax.Array
+) -> dict[str, jax.Array]:
+    """A step's metrics: the loss's own, then loss, grad_norm, learning_rate and nonfinite (1 if skipped)."""
+    return {
         **metrics,
         "loss": loss,
         "grad_norm": grad_norm,
-        "learning_rate": schedule(state["step"]),
+        "learning_rate": learning_rate,
         "nonfinite": (~finite).astype(jnp.int32),
     }
-    return new_state, metrics
 
 
 def eval_step(params: PyTree, batch: dict[str, jax.Array], *, loss_fn: LossFn) -> dict[str, jax.Array]:

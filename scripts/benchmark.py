@@ -11,6 +11,8 @@ Sections:
   compile    compile time of a 4-layer vs a 32-layer model (target ratio <= 1.5: layers are scanned)
   pipeline   measured bubble of each pipeline schedule vs theory, and activation memory (P = 2 and 4)
   checkpoint how long an async vs a sync save holds up the training loop; save/restore MB/s vs the disk's own speed
+  gradsync   seconds per gradient sync (xla, ring, hierarchical, parameter server, bf16 ring) for 1-64 MB, and bytes
+             each device sends (from the HLO) vs the algorithm's analytic model (target: within 5%)
   maxtext    our default GPT path vs MaxText 0.2.5 on the same shape and mesh (scripts/maxtext_baseline.sh), alternated
 """
 
@@ -19,16 +21,24 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+if TYPE_CHECKING:
+    from jaxtrain.comm import GradientSync
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -385,6 +395,129 @@ def run_ours(steps: int) -> float:
     return round(statistics.median(r["tokens_per_sec"] for r in records if r["step"] > 10), 1)
 
 
+# gradsync: each algorithm on the mesh it is meant for (hierarchical needs groups along `replica`), as GradientSync
+# options; None is XLA's own all-reduce, a pmean.
+SYNC_CASES: dict[str, tuple[str, dict | None]] = {
+    "xla": ("data=-1", None),
+    "ring": ("data=-1", {"algorithm": "ring"}),
+    "hierarchical": ("replica=2,data=-1", {"algorithm": "hierarchical"}),
+    "parameter_server": ("data=-1", {"algorithm": "parameter_server"}),
+    "parameter_server_2": ("data=-1", {"algorithm": "parameter_server", "servers": 2}),
+    "ring_bf16": ("data=-1", {"algorithm": "ring", "compression": "bf16"}),
+}
+WITHIN = 0.05  # measured bytes per device must match the analytic model this closely
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The gradsync meshes have replica/data axes only, so every axis larger than 1 is data-parallel."""
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def sync_program(mesh: Mesh, sync: GradientSync | None, values: int) -> jax.stages.Compiled:
+    """The mean over the replicas of a float32 gradient of `values`, each replica holding its own (one row of a
+    (replicas, values) array), by `sync` or, when None, by XLA's all-reduce."""
+    axes = data_axes(mesh)
+    mean = sync.mean if sync else functools.partial(jax.lax.pmean, axis_name=axes)
+    # check_vma=False: the explicit algorithms' results are equal on every replica by construction, which the type
+    # system cannot see through their dynamic indexing (as in GradientSync.wrap).
+    body = jax.shard_map(
+        lambda g: mean(g[0]), mesh=mesh, in_specs=PartitionSpec(axes), out_specs=PartitionSpec(), check_vma=False
+    )
+    rows = math.prod(mesh.shape[a] for a in axes)
+    spec = jax.ShapeDtypeStruct((rows, values), np.float32, sharding=NamedSharding(mesh, PartitionSpec(axes)))
+    return jax.jit(body).lower(spec).compile()
+
+
+def sync_bytes(compiled: jax.stages.Compiled, mesh: Mesh, sync: GradientSync | None, nbytes: int) -> dict:
+    """Bytes each device sends per sync, read from the compiled HLO, against the analytic model: the mean over
+    devices, and for the parameter server also the busiest device (a server), where its cost lies."""
+    from jaxtrain.comm_report import Expected, communication_report
+
+    report, n = communication_report(compiled, mesh), mesh.size
+    # XLA's all-reduce is modelled as bandwidth-optimal, as the report models every all-reduce.
+    levels = sync.expected(nbytes) if sync else [Expected("all-reduce", 2 * (n - 1) / n * nbytes)]
+    expected, measured = {"mean": sum(e.bytes for e in levels)}, {"mean": report.per_device.mean()}
+    if sync and sync.algorithm == "parameter_server":
+        # A server pulls its shard (1/S) to the N - 1 others and pushes the rest to the S - 1 other servers.
+        expected["max"] = (n - 1 + sync.servers - 1) / sync.servers * nbytes
+        measured["max"] = report.per_device.max()
+    if len(levels) > 1:  # hierarchical: its point is how little crosses the groups, so check each level apart
+        expected |= {e.label: e.bytes for e in levels}
+        measured |= {e.label: report.measured(e.axes, e.kinds) for e in levels}
+    ratios = {k: measured[k] / v for k, v in expected.items()}
+    return {
+        **{
+            k: {"measured": int(measured[k]), "expected": int(v), "ratio": round(ratios[k], 4)}
+            for k, v in expected.items()
+        },
+        "within_5pct": all(abs(r - 1) <= WITHIN for r in ratios.values()),
+    }
+
+
+def sync_timer(compiled: jax.stages.Compiled, gradients: jax.Array) -> Callable[[int], float]:
+    """Seconds per sync over `n` calls, each waited for: a sync is on a step's critical path, not a stream."""
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            jax.block_until_ready(compiled(gradients))
+        return (time.perf_counter() - start) / n
+
+    timed(1)  # warm-up: first-touch allocation, thread pools
+    return timed
+
+
+def bench_gradsync_size(args: argparse.Namespace, meshes: dict[str, Mesh], mb: int) -> dict:
+    """Every case of SYNC_CASES on a float32 gradient of `mb` MB: bytes vs the model, and seconds per sync, all
+    cases interleaved."""
+    from jaxtrain.comm import GradientSync
+
+    nbytes = mb << 20
+    gradients = np.random.default_rng(0).standard_normal((args.devices, nbytes // 4), dtype=np.float32)
+    placed, timers, sent = {}, {}, {}
+    for name, (layout, options) in SYNC_CASES.items():
+        mesh = meshes[layout]
+        sync = GradientSync(axes=data_axes(mesh), sizes=dict(mesh.shape), **options) if options else None
+        compiled = sync_program(mesh, sync, nbytes // 4)
+        if layout not in placed:  # one copy per mesh: 64 MB x 8 devices is already 512 MB
+            placed[layout] = jax.device_put(gradients, compiled.input_shardings[0][0])
+        timers[name] = sync_timer(compiled, placed[layout])
+        sent[name] = sync_bytes(compiled, mesh, sync, nbytes)
+    times = interleaved(timers, args.rounds, args.steps)
+    return {
+        name: {
+            "seconds_per_sync": round(times[name], 5),
+            "vs_xla": round(times[name] / times["xla"], 3),
+            "bytes_per_device": sent[name],
+        }
+        for name in SYNC_CASES
+    }
+
+
+def bench_gradsync(args: argparse.Namespace, peak: float) -> dict:
+    """Gradient syncs of 1-64 MB: seconds per sync of each algorithm, and the bytes each device sends (from the
+    compiled HLO) against the algorithm's analytic model."""
+    from jaxtrain.comm import GradientSync
+    from jaxtrain.mesh import build_mesh, parse_layout
+
+    meshes = {layout: build_mesh(parse_layout(layout)) for layout, _ in SYNC_CASES.values()}
+    sizes = {}
+    for mb in (int(s) for s in args.sync_sizes.split(",")):
+        start = time.perf_counter()
+        sizes[f"{mb}MB"] = bench_gradsync_size(args, meshes, mb)
+        log(f"gradsync {mb} MB: {time.perf_counter() - start:.1f}s")
+    return {
+        "meshes": {name: layout for name, (layout, _) in SYNC_CASES.items()},
+        "bucket_bytes": GradientSync.bucket_bytes,
+        "bucket_note": "GradientSync's default bucket (4 MB) for every explicit algorithm; xla is one all-reduce",
+        "units": "MB = 2**20 bytes; seconds_per_sync: median over --rounds of the mean of --steps calls",
+        "note": f"simulated CPU devices share {os.cpu_count()} cores and one memory: times reflect memory bandwidth "
+        "and per-message overhead, not a network; bytes are what each device would send, from the compiled HLO",
+        "sizes": sizes,
+        "all_within_5pct": all(c["bytes_per_device"]["within_5pct"] for size in sizes.values() for c in size.values()),
+    }
+
+
 SECTIONS = {
     "meshes": bench_meshes,
     "variants": bench_variants,
@@ -393,6 +526,7 @@ SECTIONS = {
     "pipeline": bench_pipeline,
     "checkpoint": bench_checkpoint,
     "maxtext": bench_maxtext,
+    "gradsync": bench_gradsync,
 }
 
 
@@ -408,6 +542,7 @@ def main() -> None:
     parser.add_argument(
         "--checkpoint-dir", default=None, help="checkpoint section: where to write (default: a tmp dir)"
     )
+    parser.add_argument("--sync-sizes", default="1,4,16,64", help="gradsync section: gradient sizes in MB")
     parser.add_argument("--maxtext-rounds", type=int, default=3)
     parser.add_argument("--maxtext-steps", type=int, default=40)
     args = parser.parse_args()

@@ -127,8 +127,8 @@ def poisoned_batches(monkeypatch):
     bad: set[int] = set()
     make_grad_fn, make_batch = run_module._grad_fn, Setup.batch
 
-    def grad_fn(cfg, plan, pipeline):
-        inner = make_grad_fn(cfg, plan, pipeline)
+    def grad_fn(*args):
+        inner = make_grad_fn(*args)
 
         def poisoned(params, batch):
             (loss, metrics), grads = inner(params, batch)

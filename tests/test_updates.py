@@ -1,0 +1,114 @@
+"""Update policies: local SGD with H = 1 and stale gradients with tau = 0 are synchronous training; replicas drift
+between averages and meet at each; DiLoCo's outer step reduces to FedAvg's average; impossible settings say why."""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from helpers import make_run
+from test_checkpoint import run_train
+
+from jaxtrain.comm_report import communication_report
+from jaxtrain.config import ConfigError
+from jaxtrain.updates import UpdatePolicyError
+
+SGD = ["optimizer.name=sgd", "clip_norm=0", "learning_rate=0.1"]  # linear in the gradient, as FedAvg's analysis
+
+
+def train(run, steps=5):
+    state = run.plan.init_state(run.optimizer, 0)
+    for step in range(steps):
+        state, _ = run.train_step(state, run.batch("train", step))
+    return state
+
+
+def params(state):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state["params"]))]
+
+
+def relative_error(got, want):
+    return max(np.linalg.norm(g - w) / np.linalg.norm(w) for g, w in zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def synchronous_sgd():
+    return params(train(make_run("replica=8", SGD)))
+
+
+@pytest.mark.parametrize("mesh", ["replica=8", "replica=2,data=4"])
+def test_local_sgd_averaging_every_step_is_synchronous_sgd(mesh, synchronous_sgd):
+    state = train(make_run(mesh, [*SGD, "sync=local_sgd", "sync_every=1"]))
+    assert relative_error(params(state), synchronous_sgd) < 1e-5
+
+
+def test_replicas_drift_between_averages_and_meet_at_each():
+    run = make_run("replica=8", ["sync=local_sgd", "sync_every=4"])
+    state = train(run, steps=2)
+    local = jax.device_get(state["local"]["params"]["head"])
+    assert not np.allclose(local[0], local[1])  # each replica trained on its own rows
+    state = train(run, steps=4)
+    local = jax.device_get(state["local"]["params"]["head"])
+    np.testing.assert_array_equal(local[0], local[7])
+    np.testing.assert_allclose(local[0], jax.device_get(state["params"]["head"]), rtol=1e-6)
+
+
+def test_local_steps_communicate_across_replicas_only_to_average():
+    """replica=2,data=4: the replica axis carries one all-reduce of the params (inside the averaging branch)."""
+    run = make_run("replica=2,data=4", ["sync=local_sgd", "sync_every=4"])
+    report = communication_report(run.train_step, run.plan.mesh)
+    across = report.measured(("replica",), ("all-reduce",))
+    assert across == pytest.approx(run.plan.param_bytes(), rel=0.01)  # 2(R-1)/R x params, R = 2
+    assert report.measured(("data",)) > 0  # gradients are still averaged inside each replica, every step
+
+
+def test_diloco_with_a_plain_outer_step_is_local_sgd():
+    fedavg = train(make_run("replica=8", ["sync=local_sgd", "sync_every=2"]), steps=4)
+    plain = train(make_run("replica=8", ["sync=diloco", "sync_every=2", "outer_lr=1", "outer_momentum=0"]), steps=4)
+    nesterov = train(make_run("replica=8", ["sync=diloco", "sync_every=2"]), steps=4)
+    assert relative_error(params(plain), params(fedavg)) < 1e-6
+    assert relative_error(params(nesterov), params(fedavg)) > 1e-3
+
+
+def test_stale_gradients():
+    """tau = 0 is synchronous; with tau = 1 the first step updates nothing and the second applies the first step's
+    gradient, so 2 stale steps equal 1 synchronous step."""
+    synchronous = make_run("data=8")
+    assert_equal(params(train(make_run("data=8", ["sync=stale", "staleness=0"]))), params(train(synchronous)))
+    stale = make_run("data=8", ["sync=stale", "staleness=1"])
+    assert_equal(params(train(stale, steps=1)), params(stale.plan.init_state(stale.optimizer, 0)))
+    assert_equal(params(train(stale, steps=2)), params(train(synchronous, steps=1)))
+
+
+def assert_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize(
+    "mesh,overrides,error,message",
+    [
+        ("data=8", ["sync=local_sgd"], UpdatePolicyError, "trains replicas apart, one per index of the 'replica'"),
+        ("replica=8", ["sync=local_sgd", "sync_every=0"], UpdatePolicyError, "needs H >= 1 local steps"),
+        ("replica=8", ["sync=diloco", "grad_sync=ring"], ConfigError, "grad_sync=ring averages every step"),
+        ("data=8", ["sync=async"], UpdatePolicyError, "train.sync='async': use one of synchronous, local_sgd"),
+        ("data=8", ["sync=stale", "staleness=-1"], UpdatePolicyError, "cannot arrive before it is made"),
+        ("pipeline=2,data=4", ["sync=stale"], ConfigError, "with a pipeline axis is not supported yet"),
+    ],
+)
+def test_impossible_policies_say_why(mesh, overrides, error, message):
+    with pytest.raises(error, match=message):
+        make_run(mesh, overrides)
+
+
+def test_local_sgd_resumes_from_a_checkpoint_mid_interval(tmp_path):
+    """The replicas' own params and optimizer states are checkpointed: resuming at step 4 of H = 3 continues
+    exactly (step 6 averages replicas that have drifted since step 3)."""
+    extra = ["sync=local_sgd", "sync_every=3"]
+    whole, _ = run_train("replica=8", tmp_path / "whole", extra=extra)
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "6")
+    resumed, _ = run_train("replica=8", tmp_path / "cut", extra=extra)
+    assert sorted(resumed) == [5, 6]
+    np.testing.assert_allclose([resumed[5], resumed[6]], [whole[5], whole[6]], rtol=1e-6)

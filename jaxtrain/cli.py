@@ -88,6 +88,18 @@ def _train_parser(
         "--restore", help="start from this checkpoint step directory, or fine-tune from a params export, on any mesh"
     )
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    procs = parser.add_argument_group("several processes (default: one; also JAXTRAIN_COORDINATOR etc.)")
+    procs.add_argument("--coordinator", help="host:port of process 0, which every process of the job contacts")
+    procs.add_argument("--num-processes", type=int, help="processes in the job")
+    procs.add_argument("--process-id", type=int, help="this process's id, 0 .. num-processes - 1")
+    procs.add_argument("--coordinator-bind", help="where process 0 listens (default: the coordinator's host only)")
+    procs.add_argument("--init-timeout", type=int, help="seconds to wait for every process to join (default 300)")
+    procs.add_argument(
+        "--heartbeat-timeout", type=int, help="seconds of silence after which a process is declared dead (100)"
+    )
+    procs.add_argument("--auto-cluster", action="store_true", help="let JAX detect TPU pod / SLURM / Open MPI")
+    for part in ("cert", "key", "ca"):  # JAX's mutual TLS between the processes of the job
+        procs.add_argument(f"--mtls-{part}", metavar="FILE", help=f"mutual TLS between processes: the {part} file")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser
@@ -123,6 +135,26 @@ def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argpars
     if args.simulated_devices:
         use_simulated_devices(args.simulated_devices)
     enable_compilation_cache()
+    from jaxtrain.distributed import DistributedError, from_environment, initialize
+
+    try:
+        initialize(
+            from_environment(
+                coordinator=args.coordinator,
+                num_processes=args.num_processes,
+                process_id=args.process_id,
+                bind_address=args.coordinator_bind,
+                init_timeout_s=args.init_timeout,
+                heartbeat_timeout_s=args.heartbeat_timeout,
+                auto=args.auto_cluster or None,
+                mtls={
+                    f"{p}_file": getattr(args, f"mtls_{p}") for p in ("cert", "key", "ca") if getattr(args, f"mtls_{p}")
+                }
+                or None,
+            )
+        )
+    except DistributedError as err:
+        raise SystemExit(_error(err)) from None
     return args
 
 

@@ -12,14 +12,14 @@ from tqdm import tqdm
 
 
 class MetricsLog:
-    """Appends one JSON object per call to `path` (if given) and shows progress on `stream`."""
+    """Appends one JSON object per call to `path` (if given) and shows progress on `stream` (if given)."""
 
     def __init__(
         self,
         path: str | None,
         total_steps: int,
         progress: bool = True,
-        stream: TextIO = sys.stderr,
+        stream: TextIO | None = sys.stderr,
     ):
         self.file = None
         if path:
@@ -27,7 +27,9 @@ class MetricsLog:
             _drop_partial_line(Path(path))
             self.file = open(path, "a")
         self.stream = stream
-        self.bar = tqdm(total=total_steps, file=stream, unit="step", dynamic_ncols=True) if progress else None
+        self.bar = (
+            tqdm(total=total_steps, file=stream, unit="step", dynamic_ncols=True) if progress and stream else None
+        )
         self.step = 0
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
@@ -38,12 +40,9 @@ class MetricsLog:
         if self.bar is not None:
             self.bar.update(step - self.step)
             self.bar.set_postfix_str(_short(record), refresh=True)
-        else:
+        elif self.stream:
             print(f"step {step:>6}  {_short(record)}", file=self.stream, flush=True)
         self.step = step
-
-    def message(self, text: str) -> None:
-        (self.bar.write if self.bar is not None else lambda t: print(t, file=self.stream, flush=True))(text)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -28,6 +28,7 @@ from jaxtrain.comm import ALGORITHMS, GradientSync
 from jaxtrain.comm_report import communication_report
 from jaxtrain.config import ConfigError, RunConfig
 from jaxtrain.data import Dataset, global_batch, make_dataset
+from jaxtrain.distributed import describe_processes, to_host
 from jaxtrain.errors import UserInputError
 from jaxtrain.flops import peak_flops
 from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
@@ -126,6 +127,8 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     spec, _ = resolve_model(cfg.model_name)
     layout = parse_layout(cfg.mesh)
     mesh = build_mesh(layout, devices)
+    if jax.process_count() > 1:
+        log(describe_processes(mesh))
     rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
     if cfg.data.partition != "uniform" and rules.batch_axes()[:1] != ("replica",):
         raise ConfigError(  # a replica's rows are then no longer one contiguous block of the batch
@@ -248,7 +251,7 @@ def _check_pure_data_parallel(cfg: RunConfig, plan: Plan) -> None:
 def evaluate(run: Setup, params: Any) -> dict[str, float]:
     """Mean metrics over `eval_batches` fixed validation batches."""
     results = [run.compiled_eval(params, run.batch("val", k)) for k in range(run.cfg.train.eval_batches)]
-    return {f"val_{k}": float(np.mean([jax.device_get(r[k]) for r in results])) for k in results[0]}
+    return {f"val_{k}": float(np.mean([to_host(r[k]) for r in results])) for k in results[0]}
 
 
 class Preempted(Exception):
@@ -305,7 +308,7 @@ class SkippedSteps:
         Returns the step at which the streak reached `rollback_after`, if it did."""
         pending, self.unread = (self.unread[:-1], self.unread[-1:]) if keep_newest else (self.unread, [])
         for step, flag in pending:
-            skipped = int(flag)
+            skipped = int(to_host(flag))
             self.progress.nonfinite_total += skipped
             self.streak = self.streak + 1 if skipped else 0
             if self.rollback_after and self.streak >= self.rollback_after:
@@ -321,15 +324,23 @@ def train(
 
     With `train.checkpoint_dir`, it resumes from the newest checkpoint there and saves every `checkpoint_every`
     steps and at the end; on SIGTERM it finishes the step, saves, and raises `Preempted`. After `rollback_after`
-    skipped (non-finite) updates in a row it restores the newest checkpoint and skips the batches since.
+    skipped (non-finite) updates in a row it restores the newest checkpoint and skips the batches since. With
+    several processes, process 0 logs and writes the metrics file; every process trains and checkpoints its shards.
     """
+    lead = jax.process_index() == 0
+    log = log if lead else lambda *_: None
     run = setup(cfg, log, devices)
     checkpoints = _checkpoints(cfg)
     try:
         state, progress = _initial_state(run, checkpoints, log)
         peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
         log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
-        recorder = Recorder(run, peak, MetricsLog(cfg.train.metrics_file or None, cfg.train.steps, cfg.train.progress))
+        sink = (
+            MetricsLog(cfg.train.metrics_file or None, cfg.train.steps, cfg.train.progress)
+            if lead
+            else MetricsLog(None, cfg.train.steps, stream=None)  # the other processes train silently
+        )
+        recorder = Recorder(run, peak, sink)
         with recorder, _sigterm_flag() as sigterm:
             state, preempted = _loop(run, state, progress, checkpoints, recorder, sigterm, log)
         if checkpoints:
@@ -500,9 +511,10 @@ def _preemption(sigterm: threading.Event, step: int) -> bool:
 
 @contextlib.contextmanager
 def _sigterm_flag():
-    """A flag set by SIGTERM while inside (the handler is restored after); off the main thread, never set."""
+    """A flag set by SIGTERM while inside (the handler is restored after). Never set off the main thread, nor with
+    several processes: there JAX's preemption notifier owns SIGTERM (`_preemption`)."""
     flag = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
         yield flag
         return
     previous = signal.signal(signal.SIGTERM, lambda *_: flag.set())
@@ -527,7 +539,7 @@ class Recorder:
         self.last_time = time.perf_counter()
 
     def record(self, step: int, metrics: dict[str, jax.Array], extra: dict[str, float] | None = None) -> None:
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values = {k: float(v) for k, v in to_host(metrics).items()}
         elapsed, steps = time.perf_counter() - self.last_time, step - self.last_step
         if self.last_step > self.first_step:
             self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + steps

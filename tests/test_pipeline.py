@@ -32,7 +32,8 @@ def check_matches(run, reference):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("per_stage", [0, 1, 2])  # M = 1, P, 2P
+# M = 1, P, 2P; the default suite stops at M = P (2P is the same program with a longer steady state).
+@pytest.mark.parametrize("per_stage", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
 def test_schedule_matches_single_device(schedule, stages, per_stage, reference):
     microbatches = max(1, per_stage * stages)
     if schedule == "interleaved" and microbatches % stages:
@@ -42,7 +43,9 @@ def test_schedule_matches_single_device(schedule, stages, per_stage, reference):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("mesh", ["pipeline=2,data=2,tensor=2", "pipeline=4,fsdp=2"])
+@pytest.mark.parametrize(
+    "mesh", ["pipeline=2,data=2,tensor=2", pytest.param("pipeline=4,fsdp=2", marks=pytest.mark.slow)]
+)
 def test_schedule_composes_with_other_axes(schedule, mesh, reference):
     check_matches(make_run(mesh, [*MODEL, *SCHEDULES[schedule], "microbatches=4"]), reference)
 

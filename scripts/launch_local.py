@@ -1,0 +1,87 @@
+"""Run one training job as N processes on this machine, each with M simulated CPU devices, joined by JAX's
+distributed runtime (collectives over gloo): what a pod does across hosts, on a laptop.
+
+    python scripts/launch_local.py --processes 2 --devices-per-process 4 -- \\
+        --model gpt-tiny --mesh data=2,fsdp=2,tensor=2 --steps 20
+
+Everything after `--` goes to scripts/train.py in every process. Process i's output lines are prefixed `[i]`. If a
+process fails, the others get `--grace` seconds to stop on their own (JAX's heartbeat notices a dead peer), then
+are terminated; the exit status is the first failure's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+TRAIN = Path(__file__).resolve().parent / "train.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def commands(processes: int, devices: int, port: int, train_args: list[str]) -> list[list[str]]:
+    """The command of each process: the same training arguments, its own id, one coordinator on localhost."""
+    common = [sys.executable, str(TRAIN), "--simulated-devices", str(devices)]
+    common += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
+    return [[*common, "--process-id", str(i), *train_args] for i in range(processes)]
+
+
+def _relay(index: int, stream, out) -> None:
+    for line in stream:
+        out.write(f"[{index}] {line}")
+        out.flush()
+
+
+def launch(processes: int, devices: int, train_args: list[str], grace: float = 60.0) -> int:
+    """Start every process, relay their output, and return the job's exit status."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    running = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for cmd in commands(processes, devices, free_port(), train_args)
+    ]
+    relays = [
+        threading.Thread(target=_relay, args=(i, p.stdout, sys.stdout), daemon=True) for i, p in enumerate(running)
+    ]
+    for relay in relays:
+        relay.start()
+    failed_at = None
+    while any(p.poll() is None for p in running):
+        failed = [i for i, p in enumerate(running) if p.poll() not in (None, 0)]
+        if failed_at is None and failed:
+            failed_at = time.monotonic()
+            code = running[failed[0]].returncode
+            print(f"[launch] process {failed[0]} exited with status {code}; the others get {grace:.0f} s", flush=True)
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            for p in running:
+                if p.poll() is None:
+                    p.terminate()
+        time.sleep(0.2)
+    for relay in relays:
+        relay.join(timeout=5)
+    codes = [p.returncode for p in running]
+    return next((c for c in codes if c != 0), 0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--devices-per-process", type=int, required=True)
+    parser.add_argument("--grace", type=float, default=60.0, help="seconds the others get after a process fails")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then scripts/train.py's arguments")
+    args = parser.parse_args()
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    return launch(args.processes, args.devices_per_process, train_args, args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Several real processes on localhost (JAX's distributed runtime, gloo collectives): the same numbers as one
+process, checkpoints that move between process layouts, and a dead peer that stops the job instead of hanging it."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from launch_local import commands, free_port  # noqa: E402
+
+from jaxtrain.config import apply_overrides, default_config  # noqa: E402
+from jaxtrain.run import train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MESH = "data=2,fsdp=2,tensor=2"
+ARGS = ["--model", "gpt-tiny", "--batch-size", "8", "--seq-len", "32", "--log-every", "1", "--no-progress"]
+ARGS += ["warmup_steps=1", "learning_rate=0.01", "eval_every=1000"]
+
+
+def launch(processes: int, devices: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", str(processes)]
+    command += ["--devices-per-process", str(devices), "--", *ARGS, *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+def logged(metrics: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())}
+
+
+def one_process(steps: int, directory: Path | None = None) -> dict[int, float]:
+    overrides = [f"mesh={MESH}", f"steps={steps}", "batch_size=8", "seq_len=32", "log_every=1", "eval_every=1000"]
+    overrides += ["warmup_steps=1", "learning_rate=0.01", "progress=false"]
+    if directory:
+        overrides += [f"checkpoint_dir={directory}", "checkpoint_every=4"]
+    summary = train(apply_overrides(default_config("gpt-tiny"), overrides), log=lambda *_: None)
+    return {r["step"]: r["loss"] for r in summary["history"]}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """8 steps in this process on 8 devices, mesh data=2,fsdp=2,tensor=2."""
+    return one_process(8)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The same 8 steps as 2 processes x 4 devices, the mesh spanning both, checkpointed at steps 4 and 8."""
+    directory = tmp_path_factory.mktemp("two")
+    metrics = directory / "m.jsonl"
+    done = launch(2, 4, "--mesh", MESH, "--steps", "8", "--checkpoint-dir", str(directory / "ckpt"),
+                  "--checkpoint-every", "4", "--metrics-file", str(metrics))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    return done.stdout, logged(metrics), directory / "ckpt"
+
+
+def test_two_processes_compute_what_one_does(reference, two_processes):
+    output, losses, _ = two_processes
+    assert "owner process of each mesh position" in output  # the preflight, printed by process 0
+    assert sorted(losses) == list(range(1, 9))  # one metrics file, written by process 0 only
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["1x8", pytest.param("4x2", marks=pytest.mark.slow)])
+def test_a_two_process_checkpoint_resumes_under_other_process_counts(layout, reference, two_processes, tmp_path):
+    """Written by 2 processes at step 4, continued to step 8 by 1 process (8 devices) or by 4 processes x 2."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(two_processes[2], directory)
+    shutil.rmtree(directory / "8")
+    if layout == "1x8":
+        resumed = one_process(8, directory)
+    else:
+        metrics = tmp_path / "m.jsonl"
+        done = launch(4, 2, "--mesh", MESH, "--steps", "8", "--checkpoint-dir", str(directory),
+                      "--metrics-file", str(metrics))  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:]
+        resumed = logged(metrics)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5)
+
+
+def test_a_dead_peer_stops_the_job_and_a_rerun_resumes(tmp_path):
+    """SIGKILL process 1: process 0 exits non-zero within 2 minutes, naming the lost task; rerunning resumes from
+    the last checkpoint."""
+    directory, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    args = [*ARGS, "--mesh", "data=8", "--steps", "400", "--checkpoint-dir", str(directory), "--checkpoint-every", "5"]
+    args += ["--metrics-file", str(metrics), "--heartbeat-timeout", "10"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    processes = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        for c in commands(2, 4, free_port(), args)
+    ]
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 8):
+        time.sleep(0.2)
+    processes[1].kill()
+    killed = time.time()
+    output, _ = processes[0].communicate(timeout=180)
+    assert processes[0].returncode != 0
+    assert time.time() - killed < 120
+    assert "Task 1 heartbeat timeout" in output or "unhealthy (stopped sending heartbeats):\n1" in output, output[
+        -3000:
+    ]
+    saved = max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    assert saved >= 5
+    rerun = launch(2, 4, *args[len(ARGS) :], "--steps", str(saved + 2))
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert f"resuming at step {saved}" in rerun.stdout
+
+
+def test_a_process_id_outside_the_job_is_refused_before_joining():
+    command = commands(2, 2, free_port(), [*ARGS, "--steps", "1"])[1]
+    command[command.index("--process-id") + 1] = "2"
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 2
+    assert "process id 2 is not in 0..1 for 2 processes" in done.stderr
+
+
+def test_a_process_with_the_wrong_count_fails_fast():
+    """Process 0 expects 2 processes; one that believes in 3 and says it is the third is turned away at once."""
+    port = free_port()
+    first = commands(2, 2, port, [*ARGS, "--steps", "1", "--init-timeout", "60"])[0]
+    wrong = commands(3, 2, port, [*ARGS, "--steps", "1"])[2]
+    coordinator = subprocess.Popen(first, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        start = time.time()
+        done = subprocess.run(wrong, capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert done.returncode != 0 and time.time() - start < 30
+        assert "joining coordinator 127.0.0.1" in done.stderr  # what it tried, said before JAX's own abort
+        assert "Unexpected task registered with task=2" in done.stderr
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+
+
+def test_sigterm_to_every_process_saves_at_one_step(tmp_path):
+    """Preemption of a multi-process job: JAX's preemption notifier (not our handler) catches SIGTERM, every process
+    agrees on the step to stop after, saves it, and exits with 143."""
+    directory, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    args = [*ARGS, "--mesh", "data=8", "--steps", "400", "--checkpoint-dir", str(directory)]
+    args += ["--checkpoint-every", "1000", "--metrics-file", str(metrics)]
+    processes = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        for c in commands(2, 4, free_port(), args)
+    ]
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    outputs = [process.communicate(timeout=120)[0] for process in processes]
+    assert [p.returncode for p in processes] == [143, 143], outputs[0][-2000:]
+    saved = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
+    assert len(saved) == 1 and saved[0] < 400
+    assert all(f"stopped by SIGTERM after step {saved[0]}" in out for out in outputs)

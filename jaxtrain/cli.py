@@ -179,7 +179,8 @@ def train_main(argv: Sequence[str]) -> int:
     args = _train_args(argv, _train_parser())
     from jaxtrain.checkpoint import CheckpointWriteError
     from jaxtrain.errors import UserInputError
-    from jaxtrain.run import Preempted, train
+    from jaxtrain.recovery import Preempted
+    from jaxtrain.run import train
 
     try:
         cfg = _run_config(args)

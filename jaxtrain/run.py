@@ -9,10 +9,8 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,22 +18,31 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from jaxtrain.checkpoint import Checkpoints, CheckpointWriteError, is_params_export, restore, restore_params
+from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.comm import ALGORITHMS, GradientSync
 from jaxtrain.comm_report import communication_report
 from jaxtrain.config import ConfigError, RunConfig
 from jaxtrain.data import Dataset, global_batch, make_dataset
 from jaxtrain.distributed import describe_processes, to_host
-from jaxtrain.errors import UserInputError
 from jaxtrain.flops import peak_flops
 from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
 from jaxtrain.metrics import MetricsLog
 from jaxtrain.optim import make_optimizer
 from jaxtrain.pipeline import Pipeline, make_pipeline, stacked_layer_count
 from jaxtrain.plan import ModelParts, Plan, make_plan, memory_report, split_model
+from jaxtrain.recovery import (
+    Preempted,
+    Progress,
+    SkippedSteps,
+    initial_state,
+    open_checkpoints,
+    preemption_requested,
+    roll_back,
+    save_checkpoint,
+    sigterm_flag,
+)
 from jaxtrain.rules import ShardingRules
 from jaxtrain.step import GradFn, accumulate_gradients, eval_step, replica_gradients, value_and_grad
 from jaxtrain.updates import UpdatePolicy
@@ -254,69 +261,6 @@ def evaluate(run: Setup, params: Any) -> dict[str, float]:
     return {f"val_{k}": float(np.mean([to_host(r[k]) for r in results])) for k in results[0]}
 
 
-class Preempted(Exception):
-    """Training stopped on SIGTERM after saving a checkpoint at `step`."""
-
-    def __init__(self, step: int):
-        super().__init__(f"preempted after step {step}")
-        self.step = step
-
-
-class Diverged(UserInputError):
-    """Updates kept being skipped (non-finite loss or gradient) and rolling back did not help."""
-
-
-# Rolling back to the same checkpoint this many times means the checkpoint, not the data, is the problem.
-MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
-
-
-@dataclasses.dataclass
-class Progress:
-    """Where a run stands, as its checkpoints record it (in their JSON `meta`).
-
-    `data_offset`: batches skipped by rollbacks, so step k trains on batch k + data_offset (a global index, whatever
-    the topology). `nonfinite_total`: updates skipped for a non-finite loss or gradient, over the run's whole life.
-    """
-
-    step: int = 0
-    data_offset: int = 0
-    nonfinite_total: int = 0
-    rollbacks: int = 0
-
-    def meta(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> Progress:
-        return cls(**{f.name: int(meta.get(f.name, 0)) for f in dataclasses.fields(cls)})
-
-
-class SkippedSteps:
-    """Reads each step's `nonfinite` flag one step late (so the host never waits for the device), counts them, and
-    says when `rollback_after` skipped updates in a row call for a rollback."""
-
-    def __init__(self, progress: Progress, rollback_after: int):
-        self.progress, self.rollback_after = progress, rollback_after
-        self.unread: list[tuple[int, jax.Array]] = []  # (step, flag) of steps dispatched but not yet read
-        self.streak = 0
-
-    def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
-        self.unread.append((step, metrics["nonfinite"]))
-
-    def read(self, keep_newest: bool = True) -> int | None:
-        """Read the flags of finished steps (all of them with `keep_newest=False`, which waits for the device).
-        Returns the step at which the streak reached `rollback_after`, if it did."""
-        pending, self.unread = (self.unread[:-1], self.unread[-1:]) if keep_newest else (self.unread, [])
-        for step, flag in pending:
-            skipped = int(to_host(flag))
-            self.progress.nonfinite_total += skipped
-            self.streak = self.streak + 1 if skipped else 0
-            if self.rollback_after and self.streak >= self.rollback_after:
-                self.unread, self.streak = [], 0
-                return step
-        return None
-
-
 def train(
     cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None
 ) -> dict[str, Any]:
@@ -330,9 +274,9 @@ def train(
     lead = jax.process_index() == 0
     log = log if lead else lambda *_: None
     run = setup(cfg, log, devices)
-    checkpoints = _checkpoints(cfg)
+    checkpoints = open_checkpoints(cfg)
     try:
-        state, progress = _initial_state(run, checkpoints, log)
+        state, progress = initial_state(run, checkpoints, log)
         peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
         log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
         sink = (
@@ -341,7 +285,7 @@ def train(
             else MetricsLog(None, cfg.train.steps, stream=None)  # the other processes train silently
         )
         recorder = Recorder(run, peak, sink)
-        with recorder, _sigterm_flag() as sigterm:
+        with recorder, sigterm_flag() as sigterm:
             state, preempted = _loop(run, state, progress, checkpoints, recorder, sigterm, log)
         if checkpoints:
             checkpoints.wait()
@@ -382,11 +326,11 @@ def _loop(
             pending = None
         if done < steps:
             batch = run.batch("train", done + progress.data_offset)  # built on the host while the device computes
-        preempted = _preemption(sigterm, done)
+        preempted = preemption_requested(sigterm, done)
         save = checkpoints is not None and (checkpoints.due(done, steps) or preempted)
         bad_step = skipped.read(keep_newest=not save)  # a save waits for the step anyway: read its flag too
         if bad_step is not None:
-            state = _roll_back(run, checkpoints, progress, bad_step, rollbacks, log)
+            state = roll_back(run, checkpoints, progress, bad_step, rollbacks, log)
             batch, pending = run.batch("train", progress.step + progress.data_offset), None
             recorder.start(progress.step)
             continue  # if preempted too, stop: the checkpoint just restored is on disk, and a rerun resumes there
@@ -397,131 +341,11 @@ def _loop(
             pending = (done, metrics, extra)
         # Mid-streak the params are the ones before it; a save then would only hide the older checkpoint.
         if save and (skipped.streak == 0 or done == steps or preempted):
-            _save(run, checkpoints, state, progress, log)
+            save_checkpoint(run, checkpoints, state, progress, log)
     if pending:
         recorder.record(*pending)
     skipped.read(keep_newest=False)  # count the last step's flag; too late to roll back
     return state, preempted
-
-
-def _save(run: Setup, checkpoints: Checkpoints, state: Any, progress: Progress, log: Callable[[str], None]) -> None:
-    """Start an asynchronous save. A failed write stops the run (`checkpoint_failure=stop`) or is logged and the
-    next save tries again (`continue`); the final save must succeed either way."""
-    meta = {**progress.meta(), "config": _as_json(run.cfg)}
-    final = progress.step == run.cfg.train.steps
-    for _ in range(2):  # a second try when the failure reported was the previous save's
-        try:
-            checkpoints.save(progress.step, run.plan.state_in_model_order(state), meta)
-            return
-        except CheckpointWriteError as err:
-            this_save = err.step == progress.step
-            if run.cfg.train.checkpoint_failure == "stop" or (final and this_save):
-                raise
-            log(f"warning: {err} Training continues (checkpoint_failure=continue).")
-            if this_save:
-                return
-
-
-def _roll_back(
-    run: Setup,
-    checkpoints: Checkpoints | None,
-    progress: Progress,
-    bad_step: int,
-    earlier: collections.Counter,
-    log: Callable[[str], None],
-) -> Any:
-    """Restore the newest checkpoint after `rollback_after` skipped updates ending at `bad_step`, and move the data
-    position past every batch since that checkpoint: the same batches would lead back to the same place."""
-    limit = run.cfg.train.rollback_after
-    where = f"{limit} non-finite steps in a row (steps {bad_step - limit + 1}-{bad_step})"
-    if checkpoints is None:
-        raise Diverged(
-            f"{where} and no checkpoint to roll back to. Lower optimizer.learning_rate, set train.checkpoint_dir, "
-            "or set rollback_after=0 to keep skipping."
-        )
-    checkpoints.wait()
-    found = checkpoints.restore_latest(run.plan.abstract_model_state())
-    if found is None:
-        raise Diverged(f"{where} and no checkpoint in {checkpoints.directory} restores.")
-    restored, meta = found
-    back_to = Progress.from_meta(meta).step
-    earlier[back_to] += 1
-    if earlier[back_to] > MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
-        raise Diverged(
-            f"{where}, after rolling back to step {back_to} {MAX_ROLLBACKS_TO_ONE_CHECKPOINT} times already: the run "
-            "diverges from that checkpoint whatever the data. Lower optimizer.learning_rate and restore an earlier one."
-        )
-    progress.data_offset += bad_step - back_to
-    progress.step, progress.rollbacks = back_to, progress.rollbacks + 1
-    log(
-        f"warning: {where}: rolled back to the checkpoint of step {back_to}; "
-        f"continuing at batch {back_to + progress.data_offset} (the {bad_step - back_to} batches since are skipped)."
-    )
-    return run.plan.state_from_model_order(restored)
-
-
-def _checkpoints(cfg: RunConfig) -> Checkpoints | None:
-    t = cfg.train
-    if t.checkpoint_failure not in ("stop", "continue"):
-        raise ConfigError(f"train.checkpoint_failure='{t.checkpoint_failure}': use stop or continue.")
-    if not t.checkpoint_dir:
-        return None
-    return Checkpoints(t.checkpoint_dir, t.checkpoint_every, t.checkpoint_keep, t.checkpoint_keep_every)
-
-
-def _initial_state(run: Setup, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> tuple[Any, Progress]:
-    """The newest checkpoint in the run's directory, else `train.restore`, else a fresh init; and where it stands."""
-    plan, cfg = run.plan, run.cfg
-    found = checkpoints.restore_latest(plan.abstract_model_state()) if checkpoints else None
-    if found is None and cfg.train.restore and is_params_export(cfg.train.restore):
-        return _fine_tune(run, log), Progress()
-    if found is None and cfg.train.restore:
-        found = restore(cfg.train.restore, plan.abstract_model_state())
-    if found is None:
-        return plan.init_state(run.optimizer, cfg.train.seed), Progress()
-    state, meta = found
-    progress = Progress.from_meta(meta)
-    log(f"resuming at step {progress.step} from a checkpoint")
-    return plan.state_from_model_order(state), progress
-
-
-def _fine_tune(run: Setup, log: Callable[[str], None]) -> Any:
-    """A fresh optimizer state at step 0 around the params of the export at `train.restore`."""
-    plan = run.plan
-    params, meta = restore_params(run.cfg.train.restore, plan.abstract_model_state()["params"])
-    log(f"starting from the params of step {meta['step']} exported at {run.cfg.train.restore}, with a new optimizer")
-    return plan.init_state(run.optimizer, run.cfg.train.seed, params)
-
-
-def _as_json(cfg: RunConfig) -> dict[str, Any]:
-    return {**dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model)}
-
-
-def _preemption(sigterm: threading.Event, step: int) -> bool:
-    """Whether to save and stop after `step`. One process: SIGTERM was received. Several: JAX's preemption sync
-    point, which every process answers alike at the same step (a SIGTERM reaches hosts at different moments, and a
-    save is a collective)."""
-    if jax.process_count() == 1:
-        return sigterm.is_set()
-    try:
-        return multihost_utils.reached_preemption_sync_point(step)
-    except RuntimeError:  # jax.distributed was started without its preemption service
-        return False
-
-
-@contextlib.contextmanager
-def _sigterm_flag():
-    """A flag set by SIGTERM while inside (the handler is restored after). Never set off the main thread, nor with
-    several processes: there JAX's preemption notifier owns SIGTERM (`_preemption`)."""
-    flag = threading.Event()
-    if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
-        yield flag
-        return
-    previous = signal.signal(signal.SIGTERM, lambda *_: flag.set())
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 class Recorder:

@@ -17,7 +17,8 @@ from orbax.checkpoint._src.path import async_path
 from jaxtrain import run as run_module
 from jaxtrain.checkpoint import CheckpointWriteError, restore
 from jaxtrain.config import apply_overrides, default_config
-from jaxtrain.run import Diverged, Setup, build, train
+from jaxtrain.recovery import Diverged
+from jaxtrain.run import Setup, build, train
 
 ROOT = Path(__file__).resolve().parent.parent
 EVERY = 10  # steps between checkpoints in the kill test

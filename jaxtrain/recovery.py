@@ -1,0 +1,213 @@
+"""What keeps a run alive: where it stands (step, data position, skipped updates) as its checkpoints record it;
+counting non-finite steps and rolling back after too many in a row; saving with a policy for failed writes;
+resuming, restoring or fine-tuning at the start; and stopping cleanly on preemption.
+
+`jaxtrain.run.train` calls these at the points of its loop; each is small enough to read on its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import signal
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax.experimental import multihost_utils
+
+from jaxtrain.checkpoint import Checkpoints, CheckpointWriteError, is_params_export, restore, restore_params
+from jaxtrain.config import ConfigError, RunConfig
+from jaxtrain.distributed import to_host
+from jaxtrain.errors import UserInputError
+
+if TYPE_CHECKING:
+    from jaxtrain.run import Setup
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM after saving a checkpoint at `step`."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted after step {step}")
+        self.step = step
+
+
+class Diverged(UserInputError):
+    """Updates kept being skipped (non-finite loss or gradient) and rolling back did not help."""
+
+
+# Rolling back to the same checkpoint this many times means the checkpoint, not the data, is the problem.
+MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where a run stands, as its checkpoints record it (in their JSON `meta`).
+
+    `data_offset`: batches skipped by rollbacks, so step k trains on batch k + data_offset (a global index, whatever
+    the topology). `nonfinite_total`: updates skipped for a non-finite loss or gradient, over the run's whole life.
+    """
+
+    step: int = 0
+    data_offset: int = 0
+    nonfinite_total: int = 0
+    rollbacks: int = 0
+
+    def meta(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> Progress:
+        return cls(**{f.name: int(meta.get(f.name, 0)) for f in dataclasses.fields(cls)})
+
+
+class SkippedSteps:
+    """Reads each step's `nonfinite` flag one step late (so the host never waits for the device), counts them, and
+    says when `rollback_after` skipped updates in a row call for a rollback."""
+
+    def __init__(self, progress: Progress, rollback_after: int):
+        self.progress, self.rollback_after = progress, rollback_after
+        self.unread: list[tuple[int, jax.Array]] = []  # (step, flag) of steps dispatched but not yet read
+        self.streak = 0
+
+    def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        self.unread.append((step, metrics["nonfinite"]))
+
+    def read(self, keep_newest: bool = True) -> int | None:
+        """Read the flags of finished steps (all of them with `keep_newest=False`, which waits for the device).
+        Returns the step at which the streak reached `rollback_after`, if it did."""
+        pending, self.unread = (self.unread[:-1], self.unread[-1:]) if keep_newest else (self.unread, [])
+        for step, flag in pending:
+            skipped = int(to_host(flag))
+            self.progress.nonfinite_total += skipped
+            self.streak = self.streak + 1 if skipped else 0
+            if self.rollback_after and self.streak >= self.rollback_after:
+                self.unread, self.streak = [], 0
+                return step
+        return None
+
+
+def save_checkpoint(
+    run: Setup, checkpoints: Checkpoints, state: Any, progress: Progress, log: Callable[[str], None]
+) -> None:
+    """Start an asynchronous save. A failed write stops the run (`checkpoint_failure=stop`) or is logged and the
+    next save tries again (`continue`); the final save must succeed either way."""
+    meta = {**progress.meta(), "config": _as_json(run.cfg)}
+    final = progress.step == run.cfg.train.steps
+    for _ in range(2):  # a second try when the failure reported was the previous save's
+        try:
+            checkpoints.save(progress.step, run.plan.state_in_model_order(state), meta)
+            return
+        except CheckpointWriteError as err:
+            this_save = err.step == progress.step
+            if run.cfg.train.checkpoint_failure == "stop" or (final and this_save):
+                raise
+            log(f"warning: {err} Training continues (checkpoint_failure=continue).")
+            if this_save:
+                return
+
+
+def roll_back(
+    run: Setup,
+    checkpoints: Checkpoints | None,
+    progress: Progress,
+    bad_step: int,
+    earlier: collections.Counter,
+    log: Callable[[str], None],
+) -> Any:
+    """Restore the newest checkpoint after `rollback_after` skipped updates ending at `bad_step`, and move the data
+    position past every batch since that checkpoint: the same batches would lead back to the same place."""
+    limit = run.cfg.train.rollback_after
+    where = f"{limit} non-finite steps in a row (steps {bad_step - limit + 1}-{bad_step})"
+    if checkpoints is None:
+        raise Diverged(
+            f"{where} and no checkpoint to roll back to. Lower optimizer.learning_rate, set train.checkpoint_dir, "
+            "or set rollback_after=0 to keep skipping."
+        )
+    checkpoints.wait()
+    found = checkpoints.restore_latest(run.plan.abstract_model_state())
+    if found is None:
+        raise Diverged(f"{where} and no checkpoint in {checkpoints.directory} restores.")
+    restored, meta = found
+    back_to = Progress.from_meta(meta).step
+    earlier[back_to] += 1
+    if earlier[back_to] > MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
+        raise Diverged(
+            f"{where}, after rolling back to step {back_to} {MAX_ROLLBACKS_TO_ONE_CHECKPOINT} times already: the run "
+            "diverges from that checkpoint whatever the data. Lower optimizer.learning_rate and restore an earlier one."
+        )
+    progress.data_offset += bad_step - back_to
+    progress.step, progress.rollbacks = back_to, progress.rollbacks + 1
+    log(
+        f"warning: {where}: rolled back to the checkpoint of step {back_to}; "
+        f"continuing at batch {back_to + progress.data_offset} (the {bad_step - back_to} batches since are skipped)."
+    )
+    return run.plan.state_from_model_order(restored)
+
+
+def open_checkpoints(cfg: RunConfig) -> Checkpoints | None:
+    """The run's checkpoint directory, if `train.checkpoint_dir` names one."""
+    t = cfg.train
+    if t.checkpoint_failure not in ("stop", "continue"):
+        raise ConfigError(f"train.checkpoint_failure='{t.checkpoint_failure}': use stop or continue.")
+    if not t.checkpoint_dir:
+        return None
+    return Checkpoints(t.checkpoint_dir, t.checkpoint_every, t.checkpoint_keep, t.checkpoint_keep_every)
+
+
+def initial_state(run: Setup, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> tuple[Any, Progress]:
+    """The newest checkpoint in the run's directory, else `train.restore`, else a fresh init; and where it stands."""
+    plan, cfg = run.plan, run.cfg
+    found = checkpoints.restore_latest(plan.abstract_model_state()) if checkpoints else None
+    if found is None and cfg.train.restore and is_params_export(cfg.train.restore):
+        return _fine_tune(run, log), Progress()
+    if found is None and cfg.train.restore:
+        found = restore(cfg.train.restore, plan.abstract_model_state())
+    if found is None:
+        return plan.init_state(run.optimizer, cfg.train.seed), Progress()
+    state, meta = found
+    progress = Progress.from_meta(meta)
+    log(f"resuming at step {progress.step} from a checkpoint")
+    return plan.state_from_model_order(state), progress
+
+
+def _fine_tune(run: Setup, log: Callable[[str], None]) -> Any:
+    """A fresh optimizer state at step 0 around the params of the export at `train.restore`."""
+    plan = run.plan
+    params, meta = restore_params(run.cfg.train.restore, plan.abstract_model_state()["params"])
+    log(f"starting from the params of step {meta['step']} exported at {run.cfg.train.restore}, with a new optimizer")
+    return plan.init_state(run.optimizer, run.cfg.train.seed, params)
+
+
+def _as_json(cfg: RunConfig) -> dict[str, Any]:
+    return {**dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model)}
+
+
+def preemption_requested(sigterm: threading.Event, step: int) -> bool:
+    """Whether to save and stop after `step`. One process: SIGTERM was received. Several: JAX's preemption sync
+    point, which every process answers alike at the same step (a SIGTERM reaches hosts at different moments, and a
+    save is a collective)."""
+    if jax.process_count() == 1:
+        return sigterm.is_set()
+    try:
+        return multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError:  # jax.distributed was started without its preemption service
+        return False
+
+
+@contextlib.contextmanager
+def sigterm_flag():
+    """A flag set by SIGTERM while inside (the handler is restored after). Never set off the main thread, nor with
+    several processes: there JAX's preemption notifier owns SIGTERM (`preemption_requested`)."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
+        yield flag
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGTERM, previous)

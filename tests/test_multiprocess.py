@@ -87,6 +87,7 @@ def test_a_two_process_checkpoint_resumes_under_other_process_counts(layout, ref
         assert loss == pytest.approx(reference[step], rel=1e-5)
 
 
+@pytest.mark.slow  # three process launches and a heartbeat timeout: ~40 s
 def test_a_dead_peer_stops_the_job_and_a_rerun_resumes(tmp_path):
     """SIGKILL process 1: process 0 exits non-zero within 2 minutes, naming the lost task; rerunning resumes from
     the last checkpoint."""

@@ -31,9 +31,12 @@ def check_matches(run, reference):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("stages", [2, 4])
-# M = 1, P, 2P; the default suite stops at M = P (2P is the same program with a longer steady state).
-@pytest.mark.parametrize("per_stage", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
+# M = 1, P, 2P microbatches (per_stage 0, 1, 2). The default suite runs M = 1 and P on 2 stages and M = P on 4;
+# the rest are the same programs with other tick counts.
+@pytest.mark.parametrize(
+    "stages,per_stage",
+    [(2, 0), (2, 1), (4, 1), *(pytest.param(p, m, marks=pytest.mark.slow) for p, m in [(4, 0), (2, 2), (4, 2)])],
+)
 def test_schedule_matches_single_device(schedule, stages, per_stage, reference):
     microbatches = max(1, per_stage * stages)
     if schedule == "interleaved" and microbatches % stages:

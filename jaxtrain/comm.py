@@ -29,10 +29,11 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxtrain.comm_report import Expected
 from jaxtrain.errors import UserInputError
+from jaxtrain.step import GradFn, replica_gradients
 
 ALGORITHMS = ("ring", "hierarchical", "parameter_server")
 COMPRESSIONS = {"none": None, "bf16": jnp.bfloat16}
@@ -84,24 +85,10 @@ class GradientSync:
     def inner_axes(self) -> tuple[str, ...]:
         return tuple(a for a in self.axes if a != GROUP_AXIS)
 
-    def wrap(self, grad_fn, mesh: Mesh):
+    def wrap(self, grad_fn: GradFn, mesh: Mesh) -> GradFn:
         """`grad_fn` run on each replica's rows, its gradient averaged by this algorithm, its loss and metrics by a
         pmean (a few scalars). Every parameter must be replicated over `axes` (the caller checks)."""
-
-        def per_replica(params, batch):
-            (loss, metrics), grads = grad_fn(params, batch)
-            loss, metrics = jax.lax.pmean((loss, metrics), self.axes)
-            return (loss, metrics), self.mean(grads)
-
-        # check_vma=False: the sync's results are equal on every replica by construction (each value is reduced and
-        # rounded by one owner, then copied), which the type system cannot see through dynamic indexing.
-        return jax.shard_map(
-            per_replica,
-            mesh=mesh,
-            in_specs=(PartitionSpec(), PartitionSpec(self.axes)),
-            out_specs=PartitionSpec(),
-            check_vma=False,
-        )
+        return replica_gradients(grad_fn, mesh, self.axes, self.mean)
 
     def mean(self, grads):
         """Inside `shard_map`: the mean of `grads` over the replicas."""
@@ -189,8 +176,7 @@ class GradientSync:
     def expected(self, gradient_bytes: int) -> list[Expected]:
         """What each device sends per step by this algorithm's analytic model (mean over devices), per level, for a
         float32 gradient of `gradient_bytes`, padded as `mean` pads it."""
-        n, sent = self.replicas, ("collective-permute",)
-        g = math.ceil(gradient_bytes / 8 / n) * 2 * n * 4 * (0.5 if self.compression == "bf16" else 1.0)
+        n, sent, g = self.replicas, ("collective-permute",), self._sent_gradient(gradient_bytes)
         if self.algorithm == "ring":
             return [Expected(f"ring, 2(N-1)/N x gradient, N={n}", 2 * (n - 1) / n * g, self.axes, sent)]
         if self.algorithm == "hierarchical":
@@ -199,7 +185,16 @@ class GradientSync:
                 Expected(f"inside groups, 2(K-1)/K x gradient, K={k}", 2 * (k - 1) / k * g, self.inner_axes, sent),
                 Expected(f"across groups, 2(R-1)/R x gradient/K, R={r}", 2 * (r - 1) / r * g / k, (GROUP_AXIS,), sent),
             ]
-        s = self.servers
-        server = (n - 1 + s - 1) * g / s  # the pull to every other device, and its push to the other servers
+        s, server = self.servers, self.server_bytes(gradient_bytes)
         mean = (s * server + (n - s) * g) / n  # a worker pushes each of the S shards to its server: g
         return [Expected(f"parameter server (a server sends {server / g:.2f}x gradient)", mean, self.axes, sent)]
+
+    def server_bytes(self, gradient_bytes: int) -> float:
+        """parameter_server: what each server (the busiest devices) sends per sync: its summed shard to the N - 1
+        others, and its push of the other shards to the S - 1 other servers."""
+        return (self.replicas - 1 + self.servers - 1) * self._sent_gradient(gradient_bytes) / self.servers
+
+    def _sent_gradient(self, gradient_bytes: int) -> float:
+        """The bytes of a float32 gradient as `mean` sends it: padded to 2N values, halved in bfloat16."""
+        n = self.replicas
+        return math.ceil(gradient_bytes / 8 / n) * 2 * n * 4 * (0.5 if self.compression == "bf16" else 1.0)

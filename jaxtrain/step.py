@@ -62,18 +62,28 @@ def accumulate_gradients(grad_fn: GradFn, pieces: int) -> GradFn:
     return accumulated
 
 
-def replica_gradients(grad_fn: GradFn, mesh: Mesh, batch_axes: tuple[str, ...]) -> GradFn:
-    """Pure data parallel: each replica computes loss and gradient on its own rows, then one all-reduce averages
-    loss, metrics and the whole gradient together.
+def replica_gradients(
+    grad_fn: GradFn,
+    mesh: Mesh,
+    batch_axes: tuple[str, ...],
+    mean_gradients: Callable[[PyTree], PyTree] | None = None,
+) -> GradFn:
+    """Pure data parallel: each replica computes loss and gradient on its own rows, then they are averaged: by
+    `mean_gradients` (an explicit algorithm, run inside the shard_map) with a pmean of loss and metrics, or by
+    default with one all-reduce of loss, metrics and the whole gradient together.
 
     Left to itself XLA reduces the gradient of every scanned layer inside the backward loop (one collective per
     layer); here the program has a single fused all-reduce per step, after gradient accumulation too. Only valid
     when every parameter is replicated, which the caller checks. `check_vma=False`: with it, JAX would psum each
-    parameter's cotangent where it is used, which is the per-layer pattern again.
+    parameter's cotangent where it is used, which is the per-layer pattern again (and explicit algorithms' results
+    are equal on every replica by construction, which the type system cannot see through dynamic indexing).
     """
 
     def per_replica(params: PyTree, batch: dict[str, jax.Array]):
-        return jax.lax.pmean(grad_fn(params, batch), batch_axes)
+        if mean_gradients is None:
+            return jax.lax.pmean(grad_fn(params, batch), batch_axes)
+        (loss, metrics), grads = grad_fn(params, batch)
+        return jax.lax.pmean((loss, metrics), batch_axes), mean_gradients(grads)
 
     return jax.shard_map(
         per_replica,

@@ -438,8 +438,7 @@ def sync_bytes(compiled: jax.stages.Compiled, mesh: Mesh, sync: GradientSync | N
     levels = sync.expected(nbytes) if sync else [Expected("all-reduce", 2 * (n - 1) / n * nbytes)]
     expected, measured = {"mean": sum(e.bytes for e in levels)}, {"mean": report.per_device.mean()}
     if sync and sync.algorithm == "parameter_server":
-        # A server pulls its shard (1/S) to the N - 1 others and pushes the rest to the S - 1 other servers.
-        expected["max"] = (n - 1 + sync.servers - 1) / sync.servers * nbytes
+        expected["max"] = sync.server_bytes(nbytes)
         measured["max"] = report.per_device.max()
     if len(levels) > 1:  # hierarchical: its point is how little crosses the groups, so check each level apart
         expected |= {e.label: e.bytes for e in levels}

@@ -56,10 +56,11 @@ def bytes_per_sync(setup) -> float:
     return communication_report(setup.train_step, setup.plan.mesh).measured(("replica",))
 
 
-def syncs_by(step: int, overrides: list[str], total: int) -> int:
-    """How many times the replicas have met after `step` steps."""
-    every = next((int(o.split("=")[1]) for o in overrides if o.startswith("sync_every=")), 1)
-    return step // every + (1 if step == total and total % every else 0)
+def syncs_by(step: int, train) -> int:
+    """How many times the replicas have met after `step` steps of a run whose config is `train` (local policies
+    meet every `sync_every` steps and at the last one, the others every step)."""
+    every = train.sync_every if train.sync in ("local_sgd", "diloco") else 1
+    return step // every + (1 if step == train.steps and train.steps % every else 0)
 
 
 def policies(args) -> dict:
@@ -79,9 +80,9 @@ def policies(args) -> dict:
             "bytes_per_sync": per_sync,
             "step": [r["step"] for r in points],
             "val_loss": [round(r["val_loss"], 4) for r in points],
-            "bytes_sent": [syncs_by(r["step"], overrides, args.steps) * per_sync for r in points],
+            "bytes_sent": [syncs_by(r["step"], setup.cfg.train) * per_sync for r in points],
             "final_val_loss": round(points[-1]["val_loss"], 4),
-            "total_mb_sent": round(syncs_by(args.steps, overrides, args.steps) * per_sync / 1e6, 2),
+            "total_mb_sent": round(syncs_by(args.steps, setup.cfg.train) * per_sync / 1e6, 2),
             "step_time_s": round(summary["step_time_s"], 4),
         }
     return {"data": source, "mesh": "replica=8", "steps": args.steps, "curves": curves}
@@ -141,6 +142,9 @@ def main() -> None:
     args = parser.parse_args()
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
+    from jaxtrain.cli import enable_compilation_cache
+
+    enable_compilation_cache()  # the step compiled for training comes back from the cache for the bytes report
 
     experiments = {"policies": policies, "partitions": partitions}
     report = {name: experiments[name](args) for name in args.only.split(",")}

@@ -33,7 +33,8 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """`source`: builtin (text shipped with Python) | synthetic (random tokens) | digits (CSV) | a text file path."""
+    """`source`: builtin (text shipped with Python) | synthetic (random tokens) | digits (CSV) | clicks (synthetic
+    click logs, for recommenders) | a text file path."""
 
     source: str = "builtin"
     batch_size: int = 32  # global, across all devices and processes
@@ -92,7 +93,9 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 0
     metrics_file: str = ""
+    tensorboard_dir: str = ""  # also write the logged metrics as TensorBoard scalars here (needs tensorboardX)
     progress: bool = True
+    verbose: bool = False  # the preflight's full tables (parameters, device grid, collectives), not a summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +116,17 @@ class ConfigError(UserInputError):
     """An override that names no field, or a value of the wrong type."""
 
 
+# The data a model trains on by default, by its task; language models take DataConfig()'s.
+TASK_DATA = {
+    "classification": DataConfig(source="digits", batch_size=64),
+    "clicks": DataConfig(source="clicks", batch_size=256),
+}
+
+
 def default_config(model: str = "gpt") -> RunConfig:
     """The preset run for `model` (`gpt`, `gpt-small`, `mlp`, ...)."""
     spec, preset = resolve_model(model)
-    data = DataConfig(source="digits", batch_size=64) if spec.task == "classification" else DataConfig()
+    data = TASK_DATA.get(spec.task, DataConfig())
     return RunConfig(model_name=f"{spec.name}-{preset}", model=spec.presets[preset](), data=data)
 
 

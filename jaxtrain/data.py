@@ -7,7 +7,8 @@ run can start at any step (resume) on any topology. Each process builds only the
 
 Sources: `builtin` (Python standard-library source text, which ships with every Python: no download),
 `synthetic` (uniform random tokens, for benchmarks), a UTF-8/byte text file path (byte-level tokens), and
-`digits` (8x8 handwritten digits CSV, for classifiers).
+`digits` (8x8 handwritten digits CSV, for classifiers), `clicks` (synthetic click logs with a known rule, for
+recommenders: `jaxtrain.clicks`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxtrain.clicks import Clicks
 from jaxtrain.errors import UserInputError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -282,6 +284,8 @@ def make_dataset(
         dataset: Dataset = Digits(path, seed, partition=partition, replicas=replicas)
     elif source == "synthetic":
         dataset = SyntheticTokens(vocab_size, seq_len, seed)
+    elif source == "clicks":
+        dataset = Clicks(vocab_size, seed)  # a recommender's vocab_size: the ids per field
     elif source == "builtin":
         dataset = ByteText(builtin_text(), seq_len, seed, val_fraction, name="builtin text")
     else:
@@ -289,7 +293,7 @@ def make_dataset(
         if not path.is_file():
             raise DataError(
                 f"data file '{source}' does not exist. "
-                "Use a path to a text file, or one of: builtin, synthetic, digits."
+                "Use a path to a text file, or one of: builtin, synthetic, digits, clicks."
             )
         dataset = ByteText(path.read_bytes(), seq_len, seed, val_fraction, name=str(path))
     if dataset.task != task:

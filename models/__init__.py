@@ -11,7 +11,7 @@ import difflib
 from collections.abc import Callable
 
 from jaxtrain.errors import UserInputError
-from models import gpt, mlp
+from models import gpt, mlp, moe, recsys, resnet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,12 +20,15 @@ class ModelSpec:
     module: type
     presets: dict[str, Callable[[], object]]
     default_preset: str
-    task: str  # "lm" (token sequences) or "classification" (feature vectors + labels)
+    task: str  # "lm" (token sequences), "classification" (feature vectors + labels) or "clicks" (recommendations)
 
 
 MODELS: dict[str, ModelSpec] = {
     "gpt": ModelSpec("gpt", gpt.GPT, gpt.PRESETS, "cpu", "lm"),
     "mlp": ModelSpec("mlp", mlp.MLP, mlp.PRESETS, "digits", "classification"),
+    "resnet": ModelSpec("resnet", resnet.ResNet, resnet.PRESETS, "digits", "classification"),
+    "recsys": ModelSpec("recsys", recsys.DLRM, recsys.PRESETS, "tiny", "clicks"),
+    "moe": ModelSpec("moe", moe.MoE, moe.PRESETS, "tiny", "lm"),
 }
 
 

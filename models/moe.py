@@ -1,0 +1,210 @@
+"""A mixture-of-experts decoder: GPT (models/gpt.py) with each block's MLP replaced by `n_experts` expert MLPs, of
+which a learned router picks `top_k` per token.
+
+Routing is GShard/Switch style, with a fixed capacity so every array has a static shape. Tokens are routed in
+groups, one group per sequence: each expert takes at most `capacity = ceil(capacity_factor * top_k * seq / n_experts)`
+tokens of a group, first choices before second ones, in order; the rest are dropped (they pass by on the residual
+path). Dispatch and combine are einsums with one-hot (group, token, expert, slot) tensors:
+
+    x (G, S, D) --dispatch--> (E, G, C, D) --expert MLPs--> (E, G, C, D) --combine, gate-weighted--> (G, S, D)
+
+The expert dim of the expert weights and of the dispatched tokens is `expert`; the tokens' groups are `batch`
+outside the layer and `expert_group` inside it. With the rules mapping `batch` over the expert axis too and
+`expert_group` without it, the dispatch and the combine each become one all-to-all over the expert axis.
+
+A Switch-style auxiliary loss (`aux_loss_weight` x E x sum_e f_e P_e, f_e the fraction of routed tokens and P_e
+the mean router probability of expert e: 1 when uniform) keeps the load balanced. The loss reports it, with the
+load (`expert_load`: most tokens routed to one expert over the mean, 1 is uniform; the mean over layers) and the
+fraction of routed tokens dropped for want of capacity (`dropped`).
+
+The layers run in a `lax.scan` of the model's own, which also returns each layer's routing statistics, rather than
+through `scan_layers` (whose layers return only the activations): pipeline parallelism is not supported.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> with nnx.use_eager_sharding(False):
+    ...     model = MoE(PRESETS["tiny"](), nnx.Rngs(0))
+    >>> logits, stats = model(jnp.zeros((2, 16), jnp.int32))
+    >>> logits.shape, stats["load"].shape  # (layers, experts)
+    ((2, 16, 256), (2, 8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtrain.constraints import constrain
+from models.gpt import REMAT_POLICIES, Block, GPTConfig, _param, rms_norm, rotary_angles
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(GPTConfig):
+    """GPTConfig plus the experts; `d_ff` is each expert's hidden width."""
+
+    n_experts: int = 8
+    top_k: int = 2  # experts per token: 1 (Switch) or 2 (GShard)
+    capacity_factor: float = 1.25  # slots per expert over its fair share; n_experts / top_k never drops a token
+    aux_loss_weight: float = 0.01
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}.")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive.")
+
+    def capacity(self, group_size: int) -> int:
+        """Tokens each expert takes from a group of `group_size` tokens (routed `top_k` times each)."""
+        return min(group_size, math.ceil(self.capacity_factor * self.top_k * group_size / self.n_experts))
+
+    def num_params(self) -> int:
+        d, f, e = self.d_model, self.d_ff, self.n_experts
+        per_layer = 4 * d * d + e * 2 * d * f + d * e + 2 * d
+        return self.n_layers * per_layer + 2 * self.vocab_size * d + d
+
+    def train_flops(self, batch_size: int, seq_len: int) -> float:
+        """Model FLOPs of one training step, counted as GPTConfig's: 6 x the matmul weights a token uses (attention,
+        the router, its `top_k` experts, the head), plus causal attention. Unused capacity and the one-hot dispatch
+        and combine einsums are overhead, not model FLOPs."""
+        d = self.d_model
+        per_layer = 4 * d * d + d * self.n_experts + self.top_k * 2 * d * self.d_ff
+        per_token = 6.0 * (self.n_layers * per_layer + d * self.vocab_size) + 6.0 * self.n_layers * seq_len * d
+        return per_token * batch_size * seq_len
+
+
+PRESETS = {
+    "tiny": lambda: MoEConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=128, dtype="float32"),
+    "cpu": lambda: MoEConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=4, d_ff=512, remat="full"),
+    # Mixtral-like proportions at GPT-2 small's width: 8 experts, 2 per token.
+    "small": lambda: MoEConfig(vocab_size=50304, n_layers=12, d_model=768, n_heads=12, d_ff=3072),
+}
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest entries of the last dim and their indices, largest first, as `jax.lax.top_k`, by k argmaxes:
+    XLA partitions a reduction over a batch sharded on devices, but gathers every token onto every device for the
+    TopK custom call."""
+    values, indices = [], []
+    for _ in range(k):
+        index = jnp.argmax(x, axis=-1)
+        values.append(jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0])
+        indices.append(index)
+        x = jnp.where(jax.nn.one_hot(index, x.shape[-1], dtype=bool), -jnp.inf, x)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
+
+def route(logits: jax.Array, k: int, capacity: int) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Top-k routing with `capacity` slots per expert and group, from router logits (G, S, E).
+
+    Returns the one-hot dispatch tensor (G, S, E, C) (token s of group g goes to slot c of expert e), the combine
+    tensor (the same, weighted by the token's gate for that expert: its router probability, renormalised over its
+    k choices when k > 1), and the statistics: the auxiliary loss, tokens routed to each expert (E,) before
+    capacity, and the routed tokens dropped.
+    """
+    groups, size, experts = logits.shape
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # (G, S, E)
+    gates, choice = top_k(probs, k)  # (G, S, K)
+    if k > 1:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    chosen = jax.nn.one_hot(choice, experts, dtype=jnp.float32)  # (G, S, K, E)
+    # Slots in each expert's buffer go to all tokens' first choices before any second choice, then in order.
+    by_priority = chosen.transpose(0, 2, 1, 3).reshape(groups, k * size, experts)
+    slot = (jnp.cumsum(by_priority, axis=1) - 1).reshape(groups, k, size, experts).transpose(0, 2, 1, 3)
+    kept = chosen * (slot < capacity)  # (G, S, K, E)
+    slots = jax.nn.one_hot(jnp.sum(slot * kept, axis=-1).astype(jnp.int32), capacity, dtype=jnp.float32)  # (G,S,K,C)
+    dispatch = jnp.einsum("gske,gskc->gsec", kept, slots)
+    combine = jnp.einsum("gsk,gske,gskc->gsec", gates, kept, slots)
+    routed = jnp.sum(chosen, axis=(0, 1, 2))  # (E,)
+    aux = experts * jnp.sum(routed / (groups * size * k) * jnp.mean(probs, axis=(0, 1)))
+    return dispatch, combine, {"aux": aux, "load": routed, "dropped": jnp.sum(chosen) - jnp.sum(kept)}
+
+
+class MoEBlock(Block):
+    """GPT's block (its attention, norms and their weights) with the dense MLP's weights replaced by one pair per
+    expert and a router."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)  # its dense w_in and w_down are replaced below, never used
+        d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
+        self.router = _param(rngs, (d, e), ("embed", "router"), 0.02)
+        self.w_in = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), 0.02)
+        self.w_down = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), 0.02 / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        x = x + self.attention(rms_norm(x, self.attn_norm[...]), rope)
+        y, stats = self.experts(rms_norm(x, self.mlp_norm[...]))
+        return constrain(x + y, ("batch", "seq", "embed")), stats
+
+    def experts(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:  # x: (G, S, D), a group a sequence
+        logits = jnp.einsum("gsd,de->gse", x.astype(jnp.float32), self.router[...])  # (G, S, E)
+        dispatch, combine, stats = route(logits, self.cfg.top_k, self.cfg.capacity(x.shape[1]))
+        dtype = x.dtype
+        tokens = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dtype), x)  # (E, G, C, D)
+        # Sort the tokens by expert where they are, then move them (all-to-all over the expert axis). Given only
+        # the second constraint, XLA instead gathered x over the expert axis on meshes with a tensor axis.
+        tokens = constrain(tokens, (None, "batch", "capacity", "embed"))
+        tokens = constrain(tokens, ("expert", "expert_group", "capacity", "embed"))
+        hidden = jax.nn.gelu(jnp.einsum("egcd,edf->egcf", tokens, self.w_in[...].astype(dtype)))  # (E, G, C, F)
+        hidden = constrain(hidden, ("expert", "expert_group", "capacity", "mlp"))
+        out = jnp.einsum("egcf,efd->egcd", hidden, self.w_down[...].astype(dtype))  # (E, G, C, D)
+        out = constrain(out, ("expert", "expert_group", "capacity", "embed"))
+        out = constrain(out, (None, "batch", "capacity", "embed"))  # back to the tokens' devices (all-to-all)
+        return jnp.einsum("egcd,gsec->gsd", out, combine.astype(dtype)), stats
+
+
+class MoE(nnx.Module):
+    """Token embedding, `n_layers` stacked MoE blocks, final norm and an untied output head (as GPT)."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> MoEBlock:
+            return MoEBlock(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)), out_sharding=("norm",))
+        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
+
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """tokens (B, T) -> logits (B, T, V) float32, and each layer's routing statistics (stacked, L first)."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)  # (B, T, D)
+        x = constrain(x, ("batch", "seq", "embed"))
+        block_def, block_params = nnx.split(self.blocks)
+        rope = rotary_angles(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_base)
+
+        def layer(x, params):
+            return nnx.merge(block_def, params)(x, rope)
+
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        x, stats = jax.lax.scan(layer, x, block_params)
+        x = rms_norm(x, self.final_norm[...])
+        logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(dtype)).astype(jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab")), stats
+
+    def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Next-token cross-entropy plus `aux_loss_weight` x the mean auxiliary loss over layers. batch["tokens"]:
+        (B, T + 1). Metrics: cross_entropy, aux_loss, expert_load, dropped."""
+        tokens = batch["tokens"]
+        logits, stats = self(tokens[:, :-1])
+        targets = jax.nn.one_hot(tokens[:, 1:], self.cfg.vocab_size, dtype=logits.dtype)
+        cross_entropy = optax.softmax_cross_entropy(logits, constrain(targets, ("batch", "seq", "vocab"))).mean()
+        aux = jnp.mean(stats["aux"])
+        load = stats["load"]  # (L, E)
+        metrics = {
+            "cross_entropy": cross_entropy,
+            "aux_loss": aux,
+            "expert_load": jnp.mean(jnp.max(load, axis=-1) / jnp.mean(load, axis=-1)),
+            "dropped": jnp.sum(stats["dropped"]) / jnp.sum(load),
+        }
+        return cross_entropy + self.cfg.aux_loss_weight * aux, metrics

@@ -3,6 +3,7 @@
 jaxtrain train --simulated-devices 8 --mesh data=2,fsdp=2,tensor=2 --model gpt-tiny --steps 100 n_layers=4
 jaxtrain train --help-config           # every key=value override with its current value
 jaxtrain comm --simulated-devices 8 --mesh data=2,tensor=4 --model gpt-tiny   # bytes sent per step, no training
+jaxtrain plan --model gpt-1b --mesh tpu-v5p-512 --chip v5p --batch-size 512 --seq-len 2048   # memory, comm, time
 jaxtrain meshes                        # the shipped mesh layouts
 jaxtrain inspect runs/x/ckpt           # a checkpoint's steps, arrays, shapes, dtypes and sizes, from metadata alone
 jaxtrain export runs/x/ckpt/400 runs/x-params-400   # the params alone, for evaluation or fine-tuning on any mesh
@@ -17,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxtrain.errors import UserInputError  # imports no JAX
+
 if TYPE_CHECKING:  # jaxtrain modules are imported lazily here: JAX must see --simulated-devices before it starts
     from jaxtrain.config import RunConfig
 
@@ -28,6 +31,7 @@ FLAG_KEYS = {
     "data": "data.source",
     "seed": "train.seed",
     "metrics_file": "train.metrics_file",
+    "tensorboard_dir": "train.tensorboard_dir",
     "log_every": "train.log_every",
     "eval_every": "train.eval_every",
     "grad_accum": "train.grad_accum",
@@ -72,6 +76,9 @@ def _train_parser(
     parser.add_argument("--data", help="builtin | synthetic | digits | path/to/text.txt")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--metrics-file", help="append one JSON object per logged step to this file")
+    parser.add_argument(
+        "--tensorboard-dir", help="also write the logged metrics as TensorBoard scalars here (needs tensorboardX)"
+    )
     parser.add_argument("--log-every", type=int)
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--grad-accum", type=int, help="gradient accumulation: sequential pieces per optimizer step")
@@ -88,6 +95,9 @@ def _train_parser(
         "--restore", help="start from this checkpoint step directory, or fine-tune from a params export, on any mesh"
     )
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    parser.add_argument(
+        "--verbose", action="store_true", help="full preflight: parameter table, device grid, collectives per axis"
+    )
     procs = parser.add_argument_group("several processes (default: one; also JAXTRAIN_COORDINATOR etc.)")
     procs.add_argument("--coordinator", help="host:port of process 0, which every process of the job contacts")
     procs.add_argument("--num-processes", type=int, help="processes in the job")
@@ -105,18 +115,28 @@ def _train_parser(
     return parser
 
 
+class DeviceSetupError(UserInputError):
+    """Simulated devices asked for after JAX started with other devices."""
+
+
 def use_simulated_devices(count: int) -> None:
-    """Make JAX's CPU backend expose `count` devices. Must run before JAX initialises a backend."""
+    """Make JAX's CPU backend expose `count` devices, before JAX runs anything. Calling it again with the same
+    count is harmless (a re-run notebook cell); another count once JAX has started is a `DeviceSetupError`.
+
+    >>> use_simulated_devices(8)   # first thing in a script or notebook       # doctest: +SKIP
+    """
     import jax
 
     jax.config.update("jax_platforms", "cpu")
     try:
         jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError as err:  # the backend already exists (e.g. a notebook that ran JAX code first)
-        if len(jax.devices()) != count:
-            raise SystemExit(
-                f"--simulated-devices {count}: JAX already started with {len(jax.devices())} "
-                f"devices ({err}). Restart the process/kernel."
+    except RuntimeError:  # the backend already exists (e.g. a notebook that ran JAX code first)
+        have = jax.devices()
+        if len(have) != count or have[0].platform != "cpu":
+            raise DeviceSetupError(
+                f"{count} simulated CPU devices were asked for, but JAX already started with {len(have)} "
+                f"{have[0].platform} devices; their number is fixed once JAX has run anything. Restart the "
+                f"process (or notebook kernel) and set up the devices first."
             ) from None
 
 
@@ -133,7 +153,10 @@ def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argpars
     anything imports code that could start a backend."""
     args = parser.parse_args(argv)
     if args.simulated_devices:
-        use_simulated_devices(args.simulated_devices)
+        try:
+            use_simulated_devices(args.simulated_devices)
+        except DeviceSetupError as err:
+            raise SystemExit(_error(err)) from None
     enable_compilation_cache()
     from jaxtrain.distributed import DistributedError, from_environment, initialize
 
@@ -168,6 +191,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig | None:
         overrides.append(f"mesh={args.mesh}")
     if args.no_progress:
         overrides.append("train.progress=false")
+    if args.verbose:
+        overrides.append("train.verbose=true")
     cfg = apply_overrides(default_config(args.model), [*overrides, *args.overrides])
     if args.help_config:
         print(describe_config(cfg))
@@ -178,7 +203,6 @@ def _run_config(args: argparse.Namespace) -> RunConfig | None:
 def train_main(argv: Sequence[str]) -> int:
     args = _train_args(argv, _train_parser())
     from jaxtrain.checkpoint import CheckpointWriteError
-    from jaxtrain.errors import UserInputError
     from jaxtrain.recovery import Preempted
     from jaxtrain.run import train
 
@@ -205,13 +229,38 @@ def comm_main(argv: Sequence[str]) -> int:
         "sends per step per mesh axis and collective kind. Takes the flags of `jaxtrain train`.",
     )
     args = _train_args(argv, parser)
-    from jaxtrain.errors import UserInputError
     from jaxtrain.run import build, communication
 
     try:
         cfg = _run_config(args)
         if cfg is not None:
             print(communication(build(cfg)))
+    except UserInputError as err:
+        return _error(err)
+    return 0
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    """Estimate a run's per-device memory, collectives and step time on a chip and mesh of any size, without its
+    devices; with enough (simulated) devices, compile the step and print its figures beside the estimates."""
+    parser = _train_parser(
+        "jaxtrain plan",
+        "Estimate per-device memory (params, gradients, optimizer state, activations, peak), collectives per mesh "
+        "axis and a roofline step time and MFU of a training run on a chip and mesh of any size, without the devices; "
+        "say whether it fits and, if not, which change would. With enough devices (e.g. --simulated-devices 8) it "
+        "also compiles the step and prints the compiled figures beside the estimates. Takes the flags of "
+        "`jaxtrain train`.",
+    )
+    parser.add_argument("--chip", help="v4, v5e, v5p, v6e, h100, h200, a100 (default: this machine's accelerator)")
+    parser.add_argument("--devices", type=int, help="chips in the mesh (default: the layout's size, or this machine's)")
+    parser.add_argument("--no-check", action="store_true", help="do not compile the step, even with enough devices")
+    args = _train_args(argv, parser)
+    from jaxtrain.planner import plan_report
+
+    try:
+        cfg = _run_config(args)
+        if cfg is not None:
+            print(plan_report(cfg, args.chip, args.devices, check=not args.no_check))
     except UserInputError as err:
         return _error(err)
     return 0
@@ -238,7 +287,6 @@ def inspect_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     _host_only()
     from jaxtrain.checkpoint import describe_checkpoint
-    from jaxtrain.errors import UserInputError
 
     try:
         print(describe_checkpoint(args.path))
@@ -258,7 +306,6 @@ def export_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     _host_only()
     from jaxtrain.checkpoint import export_params
-    from jaxtrain.errors import UserInputError
 
     try:
         out = export_params(args.step_dir, args.out_dir)
@@ -285,6 +332,7 @@ def _error(err: Exception, status: int = 2) -> int:
 COMMANDS = {
     "train": train_main,
     "comm": comm_main,
+    "plan": plan_main,
     "meshes": meshes_main,
     "inspect": inspect_main,
     "export": export_main,

@@ -1,8 +1,8 @@
 """Peak FLOP/s of the devices in use, for MFU = model FLOPs/s / peak FLOPs/s.
 
-Accelerators: dense bf16 peak per chip from the vendors' data sheets. CPU: measured once with a short matmul
-benchmark over all devices at once (simulated devices share the same cores, so the whole machine's rate is the
-peak, not a per-device figure) and cached in ~/.cache/jaxtrain.
+Accelerators: dense bf16 peak per chip from the vendors' data sheets (the table in `jaxtrain.chips`). CPU:
+measured once with a short matmul benchmark over all devices at once (simulated devices share the same cores, so the
+whole machine's rate is the peak, not a per-device figure) and cached in ~/.cache/jaxtrain.
 """
 
 from __future__ import annotations
@@ -18,27 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# Dense bf16 FLOP/s per chip. Keys are matched as substrings of `device.device_kind`, most specific first.
-PEAK_BF16_PER_CHIP = {
-    "TPU v6 lite": 918e12,  # v6e (Trillium)
-    "TPU v6e": 918e12,
-    "TPU v5 lite": 197e12,  # v5e
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v4": 275e12,
-    "H200": 989e12,  # SXM, dense
-    "H100": 989e12,  # SXM, dense
-    "A100": 312e12,
-}
+from jaxtrain.chips import chip_for_device_kind
+
 CACHE_DIR = Path(os.environ.get("JAXTRAIN_CACHE", Path.home() / ".cache" / "jaxtrain"))
-
-
-def accelerator_peak(device_kind: str) -> float | None:
-    for key, peak in PEAK_BF16_PER_CHIP.items():
-        if key.lower() in device_kind.lower():
-            return peak
-    return None
 
 
 def peak_flops(devices: Sequence[jax.Device], dtype: str = "bfloat16") -> tuple[float, str]:
@@ -50,10 +32,10 @@ def peak_flops(devices: Sequence[jax.Device], dtype: str = "bfloat16") -> tuple[
     kind = devices[0].device_kind
     if devices[0].platform == "cpu":
         return cpu_peak_flops(devices, dtype), f"measured {dtype} matmul peak of this CPU (cached)"
-    per_chip = accelerator_peak(kind)
-    if per_chip is None:
-        raise ValueError(f"no peak FLOP/s known for device kind '{kind}'; add it to PEAK_BF16_PER_CHIP.")
-    return per_chip * len(devices), f"bf16 data-sheet peak of {kind} x {len(devices)}"
+    spec = chip_for_device_kind(kind)
+    if spec is None:
+        raise ValueError(f"no peak FLOP/s known for device kind '{kind}'; add it to jaxtrain.chips.CHIPS.")
+    return spec.peak_bf16 * len(devices), f"bf16 data-sheet peak of {kind} x {len(devices)}"
 
 
 def cpu_peak_flops(devices: Sequence[jax.Device], dtype: str = "float32", size: int = 2048, repeats: int = 3) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxtrain.errors import UserInputError
 
@@ -169,6 +169,14 @@ def build_mesh(layout: MeshLayout, devices: Sequence[jax.Device] | None = None) 
     else:
         device_array = _single_slice_device_array(ici_shape, devices)
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def abstract_mesh(layout: MeshLayout, num_devices: int) -> AbstractMesh:
+    """The axis names and sizes `build_mesh` would give `num_devices` devices, without the devices: enough to plan
+    shardings (`NamedSharding(abstract, spec).shard_shape`) for hardware this machine does not have."""
+    ici, dcn = layout.resolve(num_devices)
+    sizes = tuple(ici[a] * dcn[a] for a in MESH_AXES)
+    return AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _single_slice_device_array(shape: list[int], devices: list[jax.Device]) -> np.ndarray:

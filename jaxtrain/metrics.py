@@ -1,18 +1,39 @@
-"""Where metrics go: a JSON-lines file (one object per logged step), a progress bar, or plain log lines."""
+"""Where metrics go: a JSON-lines file (one object per logged step), TensorBoard scalars, a progress bar or plain
+log lines, and a callback."""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from jaxtrain.errors import UserInputError
+
+
+class MetricsError(UserInputError):
+    """A metrics destination that cannot be written."""
+
+
+def tensorboard_writer_class() -> type:
+    """tensorboardX's `SummaryWriter` (an optional dependency, imported only when asked for)."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise MetricsError(
+            "train.tensorboard_dir is set, but tensorboardX is not installed: pip install 'jaxtrain[tensorboard]' "
+            "(or pip install tensorboardX), or leave train.tensorboard_dir empty."
+        ) from None
+    return SummaryWriter
+
 
 class MetricsLog:
-    """Appends one JSON object per call to `path` (if given) and shows progress on `stream` (if given)."""
+    """Appends one JSON object per call to `path` (if given), adds each value as a TensorBoard scalar in
+    `tensorboard_dir` (if given), shows progress on `stream` (if given) and passes the record to `on_record`."""
 
     def __init__(
         self,
@@ -20,12 +41,16 @@ class MetricsLog:
         total_steps: int,
         progress: bool = True,
         stream: TextIO | None = sys.stderr,
+        tensorboard_dir: str | None = None,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.file = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             _drop_partial_line(Path(path))
             self.file = open(path, "a")
+        self.board = tensorboard_writer_class()(tensorboard_dir) if tensorboard_dir else None
+        self.on_record = on_record
         self.stream = stream
         self.bar = (
             tqdm(total=total_steps, file=stream, unit="step", dynamic_ncols=True) if progress and stream else None
@@ -37,6 +62,12 @@ class MetricsLog:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        if self.board is not None:
+            for key, value in metrics.items():  # a non-finite value is drawn as such, not dropped as in the JSON
+                self.board.add_scalar(key, float(value), step)
+            self.board.flush()
+        if self.on_record is not None:
+            self.on_record(record)
         if self.bar is not None:
             self.bar.update(step - self.step)
             self.bar.set_postfix_str(_short(record), refresh=True)
@@ -47,6 +78,8 @@ class MetricsLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.board is not None:
+            self.board.close()
         if self.file:
             self.file.close()
 

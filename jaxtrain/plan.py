@@ -319,7 +319,9 @@ def make_plan(
         shardings,
         transform_non_params=lambda _: replicated,
     )
-    extra, extra_shardings = policy.extra_state(abstract_params, shardings, optimizer, mesh) if policy else ({}, {})
+    extra, extra_shardings = (
+        _policy_state(policy, abstract_params, shardings, optimizer, mesh, model, rules) if policy else ({}, {})
+    )
     state = {"params": abstract_params, "opt_state": abstract_opt, "step": jax.ShapeDtypeStruct((), jnp.int32)}
     state_shardings = {"params": shardings, "opt_state": opt_shardings, "step": replicated}
     abstract_state = jax.tree.map(
@@ -328,6 +330,42 @@ def make_plan(
         {**state_shardings, **extra_shardings},
     )
     return Plan(mesh, rules, model, param_specs, abstract_state, layout, state_optimizer, policy)
+
+
+def _policy_state(
+    policy: UpdatePolicy,
+    params: PyTree,
+    shardings: PyTree,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    model: ModelParts,
+    rules: ShardingRules,
+) -> tuple[PyTree, PyTree]:
+    """The state `policy` adds (abstract, with shardings). It stacks copies of each parameter along a mesh axis,
+    which JAX refuses when the parameter's own rules use that axis too: then the error names the parameter."""
+    try:
+        return policy.extra_state(params, shardings, optimizer, mesh)
+    except Exception as err:  # JAX's sharding errors (e.g. DuplicateSpecError) have no public base class
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        for (path, param), sharding, names in zip(
+            flat, jax.tree.leaves(shardings), jax.tree.leaves(model.logical_names, is_leaf=is_logical_names)
+        ):
+            try:
+                policy.extra_state({"p": param}, {"p": sharding}, optimizer, mesh)
+            except Exception:
+                raise PlanError(
+                    f"parameter '{_path_str(path)}' ({_spec_origin(names, sharding.spec, rules)}): the state "
+                    f"train.sync={policy.name} adds for it has a sharding JAX refuses: {str(err).rstrip('.')}. "
+                    "Change one of those rules."
+                ) from err
+        raise
+
+
+def _spec_origin(names: tuple[str | None, ...], spec: PartitionSpec, rules: ShardingRules) -> str:
+    """'logical axes layers embed mlp, spec P(None, 'replica', None), from rules.params.embed=replica': which
+    table entry put each mesh axis into a parameter's spec."""
+    used = [f"rules.params.{n}={','.join(rules.params[n])}" for n, axes in zip(names, spec) if n and axes]
+    return f"logical axes {' '.join(n or '-' for n in names)}, spec {spec}, from {', '.join(used) or 'no rule'}"
 
 
 def _path_tree(tree: PyTree) -> PyTree:

@@ -28,10 +28,19 @@ from jaxtrain.data import Dataset, global_batch, make_dataset
 from jaxtrain.distributed import describe_processes, to_host
 from jaxtrain.flops import peak_flops
 from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
-from jaxtrain.metrics import MetricsLog
+from jaxtrain.metrics import MetricsLog, tensorboard_writer_class
 from jaxtrain.optim import make_optimizer
 from jaxtrain.pipeline import Pipeline, make_pipeline, stacked_layer_count
-from jaxtrain.plan import ModelParts, Plan, make_plan, memory_report, split_model
+from jaxtrain.plan import (
+    ModelParts,
+    Plan,
+    fmt_bytes,
+    make_plan,
+    memory_report,
+    split_model,
+    total_bytes,
+    tree_device_bytes,
+)
 from jaxtrain.recovery import (
     Preempted,
     Progress,
@@ -114,11 +123,12 @@ class Setup:
 def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None) -> Setup:
     """Build mesh, rules, plan and data, and compile the train step (nothing runs yet).
 
-    `devices`: the devices the mesh spans (default: all of them).
+    `devices`: the devices the mesh spans (default: all of them). The preflight it logs is a few lines; with
+    `train.verbose`, the full tables.
     """
     run = build(cfg, log, devices)
     log(memory_report(run.train_step))
-    log(communication(run))
+    log(communication(run) if cfg.train.verbose else communication_summary(run))
     return run
 
 
@@ -127,6 +137,29 @@ def communication(run: Setup) -> str:
     gradient synchronisation when one is chosen."""
     expected = run.grad_sync.expected(run.plan.param_bytes()) if run.grad_sync else ()
     return communication_report(run.train_step, run.plan.mesh).format(expected)
+
+
+def communication_summary(run: Setup) -> str:
+    """One line: the mean bytes a device sends per step, in all and over each set of mesh axes."""
+    report = communication_report(run.train_step, run.plan.mesh)
+    by_axes = collections.Counter()
+    for row in report.rows:
+        by_axes["+".join(row.axes) or "-"] += row.mean
+    where = ", ".join(f"{axes} {fmt_bytes(sent)}" for axes, sent in by_axes.items())
+    return f"communication per step: {fmt_bytes(report.per_device.mean())} sent per device" + (
+        f" ({where})" if where else ""
+    )
+
+
+def _params_summary(plan: Plan) -> str:
+    """One line: how many parameters, and the bytes of parameters and optimizer state on one device."""
+    params, opt = plan.abstract_state["params"], plan.abstract_state["opt_state"]
+    count = sum(x.size for x in jax.tree.leaves(params))
+    return (
+        f"params {count:,} ({fmt_bytes(total_bytes(params))}); per device: params "
+        f"{fmt_bytes(tree_device_bytes(params))}, optimizer state {fmt_bytes(tree_device_bytes(opt))} "
+        "(--verbose or train.verbose=true: the full tables)"
+    )
 
 
 def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None) -> Setup:
@@ -141,7 +174,8 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         raise ConfigError(  # a replica's rows are then no longer one contiguous block of the batch
             f"data.partition={cfg.data.partition} needs 'replica' first in the batch rule; it is {rules.batch_axes()}."
         )
-    log(describe_mesh(mesh))
+    verbose = cfg.train.verbose
+    log(describe_mesh(mesh) if verbose else describe_mesh(mesh).splitlines()[0])  # the first line names the axes
 
     model = split_model(functools.partial(spec.module, cfg.model))
     if mesh.shape["pipeline"] > 1:  # a model the pipeline cannot split is an error before any data is read
@@ -158,11 +192,11 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         replicas=mesh.shape["replica"],
     )
     pipeline = _pipeline(cfg, mesh, model, dataset.shapes(cfg.data.batch_size))
-    if pipeline:
+    if pipeline and verbose:
         log(pipeline.describe())
     policy = _update_policy(cfg, mesh)
     plan = make_plan(mesh, rules, model, optimizer, pipeline.layout if pipeline else None, policy)
-    log(plan.table())
+    log(plan.table() if verbose else _params_summary(plan))
     # Check the batch divides over the devices before anything compiles.
     plan.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
 
@@ -237,7 +271,8 @@ def _gradient_sync(cfg: RunConfig, plan: Plan) -> GradientSync | None:
     if t.grad_sync not in ALGORITHMS:
         raise ConfigError(f"train.grad_sync='{t.grad_sync}': use xla, fused, {', '.join(ALGORITHMS)}.")
     _check_pure_data_parallel(cfg, plan)
-    axes = tuple(a for a in plan.rules.batch_axes() if plan.mesh.shape[a] > 1)
+    # In mesh order, whatever the order of the batch rule: ppermute over several axes requires it.
+    axes = tuple(a for a in plan.mesh.axis_names if a in plan.rules.batch_axes() and plan.mesh.shape[a] > 1)
     bucket = int(t.grad_bucket_mb * 2**20)
     return GradientSync(t.grad_sync, axes, dict(plan.mesh.shape), bucket, t.ps_servers, t.grad_compression)
 
@@ -262,17 +297,27 @@ def evaluate(run: Setup, params: Any) -> dict[str, float]:
 
 
 def train(
-    cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None
+    cfg: RunConfig,
+    log: Callable[[str], None] = print,
+    devices: Sequence[jax.Device] | None = None,
+    on_metrics: Callable[[dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run `cfg` to completion. Returns a summary: final metrics, throughput, the logged history and the state.
+    """Run `cfg` to completion. Returns a summary: final metrics, throughput, the logged history, the state, and
+    the `Setup` it ran (its plan and compiled step, for inspection).
+
+    `on_metrics` receives each logged step's record, `{"step": ..., "loss": ..., ...}`, as it is written to
+    `train.metrics_file` (e.g. to redraw a plot in a notebook).
 
     With `train.checkpoint_dir`, it resumes from the newest checkpoint there and saves every `checkpoint_every`
     steps and at the end; on SIGTERM it finishes the step, saves, and raises `Preempted`. After `rollback_after`
     skipped (non-finite) updates in a row it restores the newest checkpoint and skips the batches since. With
-    several processes, process 0 logs and writes the metrics file; every process trains and checkpoints its shards.
+    several processes, process 0 logs, writes the metrics (file, TensorBoard, `on_metrics`); every process trains
+    and checkpoints its shards.
     """
     lead = jax.process_index() == 0
     log = log if lead else lambda *_: None
+    if lead and cfg.train.tensorboard_dir:
+        tensorboard_writer_class()  # a missing tensorboardX is an error now, not after compiling
     run = setup(cfg, log, devices)
     checkpoints = open_checkpoints(cfg)
     try:
@@ -280,7 +325,13 @@ def train(
         peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
         log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
         sink = (
-            MetricsLog(cfg.train.metrics_file or None, cfg.train.steps, cfg.train.progress)
+            MetricsLog(
+                cfg.train.metrics_file or None,
+                cfg.train.steps,
+                cfg.train.progress,
+                tensorboard_dir=cfg.train.tensorboard_dir or None,
+                on_record=on_metrics,
+            )
             if lead
             else MetricsLog(None, cfg.train.steps, stream=None)  # the other processes train silently
         )
@@ -297,7 +348,7 @@ def train(
 
     summary = {**recorder.summary(), "nonfinite_total": progress.nonfinite_total, "rollbacks": progress.rollbacks}
     log("done: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
-    return {**summary, "history": recorder.history, "state": state}
+    return {**summary, "history": recorder.history, "state": state, "run": run}
 
 
 def _loop(
@@ -336,7 +387,8 @@ def _loop(
             continue  # if preempted too, stop: the checkpoint just restored is on disk, and a rerun resumes there
         extra = {"nonfinite_total": progress.nonfinite_total}
         if done % t.eval_every == 0 or done == steps:
-            recorder.record(done, metrics, {**extra, **evaluate(run, state["params"])})  # before the next step donates
+            # Now, before the next step donates the params.
+            recorder.record(done, metrics, extra, functools.partial(evaluate, run, state["params"]))
         elif done % t.log_every == 0:
             pending = (done, metrics, extra)
         # Mid-streak the params are the ones before it; a save then would only hide the older checkpoint.
@@ -362,14 +414,22 @@ class Recorder:
         self.first_step = self.last_step = step
         self.last_time = time.perf_counter()
 
-    def record(self, step: int, metrics: dict[str, jax.Array], extra: dict[str, float] | None = None) -> None:
+    def record(
+        self,
+        step: int,
+        metrics: dict[str, jax.Array],
+        extra: dict[str, float] | None = None,
+        evaluate: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
+        """Log `step`'s metrics with the throughput since the last record, plus `extra` and the metrics `evaluate`
+        returns (run after the clock stops: evaluation is not training time)."""
         values = {k: float(v) for k, v in to_host(metrics).items()}
         elapsed, steps = time.perf_counter() - self.last_time, step - self.last_step
         if self.last_step > self.first_step:
             self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + steps
         values["tokens_per_sec"] = self.run.tokens_per_step * steps / elapsed
         values["mfu"] = self.run.flops_per_step * steps / elapsed / self.peak
-        values.update(extra or {})
+        values.update({**(extra or {}), **(evaluate() if evaluate else {})})
         self.sink.write(step, values)
         self.history.append({"step": step, **values})
         self.last_step, self.last_time = step, time.perf_counter()  # evaluation time is not training time

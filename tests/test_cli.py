@@ -45,6 +45,7 @@ def test_train_command_writes_metrics(tmp_path):
         "--metrics-file",
         str(metrics),
         "--no-progress",
+        "--verbose",
         "n_layers=3",
     )
     assert result.returncode == 0, result.stderr

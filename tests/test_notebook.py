@@ -1,0 +1,78 @@
+"""notebooks/quickstart.ipynb runs top to bottom on a fresh kernel, what it shows holds (same losses on both meshes,
+the bytes each device holds and sends, a checkpoint restored onto the other mesh), and re-running cells is safe."""
+
+import ast
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+GPT_TINY_PARAMS = 131_392  # embedding 256x64 + 2 layers of (qkv 64x192, out 64x64, mlp 2x64x256, 2 norms) + ...
+
+
+def tagged(nb, tag: str) -> tuple[int, nbformat.NotebookNode]:
+    [(index, cell)] = [(i, c) for i, c in enumerate(nb.cells) if tag in c.metadata.get("tags", [])]
+    return index, cell
+
+
+def stdout(cell) -> str:
+    return "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
+
+
+def has_image(cell) -> bool:
+    return any("image/png" in o.get("data", {}) for o in cell.outputs)
+
+
+def run_scratch(client: NotebookClient, source: str) -> str:
+    """Run `source` in the notebook's kernel (as a cell not in the notebook) and return what it printed."""
+    cell = nbformat.v4.new_code_cell(source)
+    client.nb.cells.append(cell)  # nbclient stores the executed cell back at its index
+    client.execute_cell(cell, len(client.nb.cells) - 1)
+    return stdout(cell)
+
+
+@pytest.fixture
+def kernel_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXTRAIN_CPU_PEAK_FLOPS", "1e11")  # no peak measurement in the kernel
+    monkeypatch.setenv("JAXTRAIN_COMPILATION_CACHE", str(tmp_path / "xla"))  # a clean cache: nothing precompiled
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend draws the figures
+
+
+def test_quickstart_runs_and_reruns(kernel_env):
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
+    with client.setup_kernel():
+        for index, cell in enumerate(nb.cells):
+            client.execute_cell(cell, index)
+
+        assert stdout(tagged(nb, "devices")[1]).startswith("8 devices")
+        assert has_image(tagged(nb, "sharding")[1])
+        train = tagged(nb, "train")[1]
+        assert has_image(train)  # the live plot
+        assert "Mesh data=2 fsdp=2 tensor=2: 8 cpu devices" in stdout(train)  # the notebook's own layout
+
+        result = next(o for o in tagged(nb, "compare")[1].outputs if o.output_type == "execute_result")
+        comparison = ast.literal_eval(result.data["text/plain"])
+        assert comparison["max_relative_loss_difference"] < 1e-4
+        sharded, replicated = comparison["data=2, fsdp=2, tensor=2"], comparison["data=8"]
+        assert replicated["params_bytes_per_device"] == 4 * GPT_TINY_PARAMS  # float32, a full copy on each device
+        assert sharded["params_bytes_per_device"] < replicated["params_bytes_per_device"] / 3
+        # data=8 sends only the gradient's ring all-reduce: 2(N-1)/N = 1.75x its bytes from each device.
+        assert replicated["sent_bytes_per_step"] == pytest.approx(1.75 * 4 * GPT_TINY_PARAMS, rel=0.01)
+        assert "restored params equal the first run's final params: True" in stdout(tagged(nb, "checkpoint")[1])
+
+        # Re-running cells: the device setup again, then the second mesh's training, which gives the same losses.
+        losses = 'import json; print(json.dumps([r["loss"] for r in b["history"]]))'
+        before = json.loads(run_scratch(client, losses))
+        for tag in ("devices", "second-mesh"):
+            client.execute_cell(*reversed(tagged(nb, tag)))
+        assert json.loads(run_scratch(client, losses)) == before
+        assert len(before) == 15  # 30 steps, logged every 2
+
+        with pytest.raises(CellExecutionError, match="DeviceSetupError.*Restart the process"):
+            run_scratch(client, "use_simulated_devices(4)")

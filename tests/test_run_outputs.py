@@ -1,0 +1,116 @@
+"""What a training run writes for its user: the concise preflight, the JSONL metrics, the same values as TensorBoard
+scalars (read back from the event file with a reader written here), and each record handed to a callback."""
+
+import json
+import struct
+import sys
+
+import jax
+import pytest
+from helpers import TINY
+
+from jaxtrain.cli import _run_config, _train_parser
+from jaxtrain.config import apply_overrides, default_config
+from jaxtrain.metrics import MetricsError
+from jaxtrain.run import train
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), bit by bit: what TFRecord framing checksums with."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def masked_crc(data: bytes) -> int:
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def read_tfrecords(path) -> list[bytes]:
+    """Records of a TFRecord file: u64 length, u32 masked CRC of the length, data, u32 masked CRC of the data."""
+    data, records, at = path.read_bytes(), [], 0
+    while at < len(data):
+        (length,) = struct.unpack_from("<Q", data, at)
+        (length_crc,) = struct.unpack_from("<I", data, at + 8)
+        assert length_crc == masked_crc(data[at : at + 8])
+        record = data[at + 12 : at + 12 + length]
+        (record_crc,) = struct.unpack_from("<I", data, at + 12 + length)
+        assert record_crc == masked_crc(record)
+        records.append(record)
+        at += 12 + length + 4
+    return records
+
+
+def tensorboard_scalars(directory) -> dict[tuple[str, int], float]:
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars = {}
+    [events] = directory.glob("events.out.tfevents.*")
+    for record in read_tfrecords(events):
+        event = Event.FromString(record)
+        for value in event.summary.value:
+            scalars[value.tag, event.step] = value.simple_value
+    return scalars
+
+
+def test_crc32c_reference_value():
+    assert crc32c(b"123456789") == 0xE3069283  # the check value of the CRC-32C catalogue entry
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    overrides = ["steps=3", "log_every=1", "eval_every=2", "eval_batches=1", "progress=false", "mesh=data=8"]
+    overrides += [f"metrics_file={out / 'metrics.jsonl'}", f"tensorboard_dir={out / 'tb'}"]
+    cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, *overrides])
+    lines, records = [], []
+    summary = train(cfg, log=lines.append, on_metrics=records.append)
+    return out, lines, records, summary
+
+
+def test_tensorboard_scalars_equal_the_jsonl(trained):
+    out, _, records, _ = trained
+    jsonl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    scalars = tensorboard_scalars(out / "tb")
+    expected = {(k, r["step"]): v for r in jsonl for k, v in r.items() if k != "step"}
+    assert {"loss", "val_loss", "tokens_per_sec", "mfu", "grad_norm"} <= {k for k, _ in expected}
+    assert scalars.keys() == expected.keys()
+    for key, value in expected.items():
+        assert scalars[key] == pytest.approx(value, rel=1e-6), key  # TensorBoard keeps float32
+    assert records == jsonl  # the callback saw each record as written
+
+
+def test_preflight_is_concise_by_default(trained):
+    _, lines, _, summary = trained
+    text = "\n".join(lines)
+    assert lines[0] == "Mesh data=8: 8 cpu devices"  # the header alone, no device grid
+    assert "bytes/device" not in text and "runs/step" not in text  # neither table
+    state = summary["state"]
+    count = sum(x.size for x in jax.tree.leaves(state["params"]))
+    param_bytes = 4 * count  # float32, every parameter replicated on data=8
+    assert f"params {count:,} (" in text
+    comm = next(line for line in lines if line.startswith("communication per step:"))
+    # A ring all-reduce of the gradient over 8 devices sends 2(N-1)/N = 1.75x its bytes from each device.
+    number, unit = comm.split(": ")[1].split()[:2]
+    sent = float(number) * 1024 ** ["B", "KiB", "MiB", "GiB"].index(unit)
+    assert sent == pytest.approx(1.75 * param_bytes, rel=0.02)
+    assert "(data " in comm
+    preflight = lines[: next(i for i, line in enumerate(lines) if line.startswith("model FLOPs"))]
+    assert len(preflight) == 4  # mesh, params, memory, communication
+
+
+def test_flags_reach_the_config():
+    args = _train_parser().parse_args(["--verbose", "--tensorboard-dir", "runs/tb", "--model", "gpt-tiny"])
+    cfg = _run_config(args)
+    assert cfg.train.verbose is True and cfg.train.tensorboard_dir == "runs/tb"
+
+
+def test_missing_tensorboardx_is_a_clear_error_before_compiling(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX now raises ImportError
+    cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, f"tensorboard_dir={tmp_path}"])
+    with pytest.raises(MetricsError, match=r"pip install 'jaxtrain\[tensorboard\]'"):
+        train(cfg, log=lambda *_: pytest.fail("setup started"))

@@ -60,7 +60,11 @@ def _train_parser(
         description=f"{does} Extra key=value arguments override any config field "
         "(n_layers=4, optimizer.learning_rate=1e-3, rules.embed=fsdp, ...).",
     )
-    parser.add_argument("--model", default="gpt", help="model[-preset]: gpt, gpt-tiny, gpt-small, gpt-1b, mlp, ...")
+    parser.add_argument(
+        "--model",
+        default="gpt",
+        help="model[-preset]: gpt, gpt-tiny, gpt-small, gpt-1b, mlp, resnet, resnet-cifar, recsys, moe, ...",
+    )
     parser.add_argument(
         "--mesh", default=None, help="a layout name in meshes/, a .toml path, or inline data=2,tensor=4"
     )

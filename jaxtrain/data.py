@@ -300,8 +300,8 @@ def make_dataset(
         raise DataError(f"data source '{source}' is for {dataset.task} models, but this model needs {task} data.")
     if partition != "uniform" and dataset.task != "classification":
         raise DataError(
-            f"data.partition={partition} splits data by label, so it needs labelled data (digits); "
-            f"'{source}' is unlabelled text. Use data.partition=uniform."
+            f"data.partition={partition} splits data by class label, so it needs class-labelled data (digits); "
+            f"'{source}' is {dataset.task} data. Use data.partition=uniform."
         )
     if task == "lm" and vocab_size < 256 and not isinstance(dataset, SyntheticTokens):
         raise DataError(f"byte-level text needs vocab_size >= 256, the model has {vocab_size}.")

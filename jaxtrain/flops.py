@@ -31,7 +31,9 @@ def peak_flops(devices: Sequence[jax.Device], dtype: str = "bfloat16") -> tuple[
     """
     kind = devices[0].device_kind
     if devices[0].platform == "cpu":
-        return cpu_peak_flops(devices, dtype), f"measured {dtype} matmul peak of this CPU (cached)"
+        given = os.environ.get("JAXTRAIN_CPU_PEAK_FLOPS")
+        source = "JAXTRAIN_CPU_PEAK_FLOPS" if given else f"measured {dtype} matmul peak of this CPU (cached)"
+        return cpu_peak_flops(devices, dtype), source
     spec = chip_for_device_kind(kind)
     if spec is None:
         raise ValueError(f"no peak FLOP/s known for device kind '{kind}'; add it to jaxtrain.chips.CHIPS.")

@@ -156,6 +156,12 @@ def balanced_layout(n_layers: int, stages: int, virtual: int, costs: LayerCosts 
     return StageLayout(stages, virtual, tuple(int(c) for c in counts))
 
 
+_NO_SCAN_LAYERS = (
+    "the mesh has a pipeline axis, but the model never runs its layers with scan_layers (jaxtrain.constraints), "
+    "where the pipeline takes them apart. Use a mesh without a pipeline axis for this model."
+)
+
+
 class _ModelPieces:
     """The model's loss taken apart at its `scan_layers` call (see the module docstring).
 
@@ -187,6 +193,8 @@ class _ModelPieces:
             return x
 
         self._run(outer, stacked, micro, record)  # what follows the layers is dead code, dropped by XLA
+        if "x" not in seen:
+            raise PipelineError(_NO_SCAN_LAYERS)
         return seen["x"]
 
     def post(self, outer, stacked, x, micro) -> tuple[jax.Array, dict]:
@@ -202,7 +210,7 @@ class _ModelPieces:
 
         self._run(outer, stacked, micro, record)
         if "tree" not in seen:
-            raise PipelineError("the mesh has a pipeline axis, but the model never calls scan_layers.")
+            raise PipelineError(_NO_SCAN_LAYERS)
         theirs, tree_def = jax.tree.flatten(seen["tree"])
         position = {id(x): i for i, x in enumerate(stacked)}
         if not all(id(x) in position for x in theirs):

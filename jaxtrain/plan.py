@@ -239,6 +239,16 @@ class Plan:
             is_leaf=is_logical_names,
         )
 
+    def totals(self) -> str:
+        """One line: the parameter count, and the bytes of params and optimizer state in all and per device."""
+        params, opt = self.abstract_state["params"], self.abstract_state["opt_state"]
+        n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+        return (
+            f"params: {n_params:,} ({fmt_bytes(total_bytes(params))} total, {fmt_bytes(tree_device_bytes(params))}"
+            f"/device); optimizer state: {fmt_bytes(total_bytes(opt))} total, "
+            f"{fmt_bytes(tree_device_bytes(opt))}/device"
+        )
+
     def table(self) -> str:
         """Parameter path, global shape, logical axes, PartitionSpec and bytes per device; then totals."""
         rows = [("parameter", "shape", "logical axes", "spec", "bytes/device")]
@@ -256,13 +266,7 @@ class Plan:
                 )
             )
         lines = format_table(rows)
-        params, opt = self.abstract_state["params"], self.abstract_state["opt_state"]
-        n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-        lines.append(
-            f"params: {n_params:,} ({fmt_bytes(total_bytes(params))} total, {fmt_bytes(tree_device_bytes(params))}"
-            f"/device); optimizer state: {fmt_bytes(total_bytes(opt))} total, "
-            f"{fmt_bytes(tree_device_bytes(opt))}/device"
-        )
+        lines.append(self.totals())
         if self.layout is not None:
             layout = self.layout
             padding = layout.stored_layers - sum(layout.counts)

@@ -38,8 +38,6 @@ from jaxtrain.plan import (
     make_plan,
     memory_report,
     split_model,
-    total_bytes,
-    tree_device_bytes,
 )
 from jaxtrain.recovery import (
     Preempted,
@@ -151,17 +149,6 @@ def communication_summary(run: Setup) -> str:
     )
 
 
-def _params_summary(plan: Plan) -> str:
-    """One line: how many parameters, and the bytes of parameters and optimizer state on one device."""
-    params, opt = plan.abstract_state["params"], plan.abstract_state["opt_state"]
-    count = sum(x.size for x in jax.tree.leaves(params))
-    return (
-        f"params {count:,} ({fmt_bytes(total_bytes(params))}); per device: params "
-        f"{fmt_bytes(tree_device_bytes(params))}, optimizer state {fmt_bytes(tree_device_bytes(opt))} "
-        "(--verbose or train.verbose=true: the full tables)"
-    )
-
-
 def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None) -> Setup:
     """Like `setup`, but compiles nothing: steps compile when first used."""
     spec, _ = resolve_model(cfg.model_name)
@@ -196,7 +183,7 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         log(pipeline.describe())
     policy = _update_policy(cfg, mesh)
     plan = make_plan(mesh, rules, model, optimizer, pipeline.layout if pipeline else None, policy)
-    log(plan.table() if verbose else _params_summary(plan))
+    log(plan.table() if verbose else f"{plan.totals()} (--verbose or train.verbose=true: the full tables)")
     # Check the batch divides over the devices before anything compiles.
     plan.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
 

@@ -17,8 +17,9 @@ def make_run(mesh: str, overrides: list[str] = (), model: str = "gpt-tiny", devi
     return build(cfg, log=lambda *_: None, devices=jax.devices()[:devices])
 
 
-def losses(run: Setup, steps: int = 5) -> np.ndarray:
-    state = run.plan.init_state(run.optimizer, run.cfg.train.seed)
+def losses(run: Setup, steps: int = 5, params=None) -> np.ndarray:
+    """The first `steps` training losses of `run`, from its own initialisation or from `params` (model order)."""
+    state = run.plan.init_state(run.optimizer, run.cfg.train.seed, params)
     out = []
     for step in range(steps):
         state, metrics = run.train_step(state, run.batch("train", step))

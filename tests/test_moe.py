@@ -12,6 +12,7 @@ from helpers import losses, make_run
 
 from jaxtrain.comm_report import communication_report
 from jaxtrain.config import ConfigError, apply_overrides, default_config
+from jaxtrain.pipeline import PipelineError
 from jaxtrain.run import train
 from models.moe import route
 
@@ -68,6 +69,12 @@ def test_bad_settings_are_refused():
         apply_overrides(default_config("moe"), ["n_experts=2", "top_k=3"])
     with pytest.raises(ConfigError, match="capacity_factor=0.0 must be positive"):
         apply_overrides(default_config("moe"), ["capacity_factor=0"])
+
+
+def test_a_pipeline_axis_is_refused_clearly():
+    # The experts' layers run in the model's own scan, which a pipeline cannot take apart.
+    with pytest.raises(PipelineError, match="never runs its layers with scan_layers"):
+        make_run("pipeline=2,data=4", NO_DROPS, model="moe")
 
 
 @functools.cache

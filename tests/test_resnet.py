@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import shared_file
 from flax import nnx
-from helpers import make_run
+from helpers import losses, make_run
 
 from jaxtrain.comm_report import axes_of_group
 from jaxtrain.config import ConfigError, apply_overrides, default_config
@@ -42,20 +42,10 @@ def initial_params(single):
     return jax.device_get(single.plan.init_state(single.optimizer, single.cfg.train.seed)["params"])
 
 
-def losses_from(run, params, steps=5):
-    """The first `steps` training losses of `run`, starting from `params`."""
-    state = run.plan.init_state(run.optimizer, run.cfg.train.seed, params)
-    out = []
-    for step in range(steps):
-        state, metrics = run.train_step(state, run.batch("train", step))
-        out.append(float(metrics["loss"]))
-    return np.array(out)
-
-
 @pytest.mark.parametrize("mesh", [HYBRID, "data=2,fsdp=2,tensor=2"])
 def test_losses_match_single_device(mesh, single, hybrid, initial_params):
-    reference = losses_from(single, initial_params)
-    sharded = losses_from(hybrid if mesh == HYBRID else resnet_run(mesh), initial_params)
+    reference = losses(single, params=initial_params)
+    sharded = losses(hybrid if mesh == HYBRID else resnet_run(mesh), params=initial_params)
     np.testing.assert_allclose(sharded, reference, rtol=1e-5)
     assert sharded[-1] < sharded[0]  # it is training, not replaying a constant
 

@@ -92,7 +92,7 @@ def test_preflight_is_concise_by_default(trained):
     state = summary["state"]
     count = sum(x.size for x in jax.tree.leaves(state["params"]))
     param_bytes = 4 * count  # float32, every parameter replicated on data=8
-    assert f"params {count:,} (" in text
+    assert f"params: {count:,} (" in text
     comm = next(line for line in lines if line.startswith("communication per step:"))
     # A ring all-reduce of the gradient over 8 devices sends 2(N-1)/N = 1.75x its bytes from each device.
     number, unit = comm.split(": ")[1].split()[:2]

@@ -16,6 +16,8 @@ outside the model. Parameters are float32; `dtype` is the compute dtype (bfloat1
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -101,19 +103,27 @@ def rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
+def residual_std(cfg: GPTConfig) -> float:
+    """Init scale of the weights that write to the residual stream: GPT-2's, shrinking with depth."""
+    return 0.02 / (2 * cfg.n_layers) ** 0.5
+
+
 class Block(nnx.Module):
     """One transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-        d, h, k, f = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff
-        out_std = 0.02 / (2 * cfg.n_layers) ** 0.5  # GPT-2: residual writes shrink with depth
+        d, h, k = cfg.d_model, cfg.n_heads, cfg.head_dim
         self.cfg = cfg
         self.attn_norm = nnx.Param(jnp.ones((d,)), out_sharding=("norm",))
         self.w_qkv = _param(rngs, (d, 3, h, k), ("embed", "qkv", "heads", "kv"), 0.02)
-        self.w_out = _param(rngs, (h, k, d), ("heads", "kv", "embed"), out_std)
+        self.w_out = _param(rngs, (h, k, d), ("heads", "kv", "embed"), residual_std(cfg))
         self.mlp_norm = nnx.Param(jnp.ones((d,)), out_sharding=("norm",))
-        self.w_in = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), out_std)
+        self.init_mlp(cfg, rngs)
+
+    def init_mlp(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
+        """The MLP's weights; a subclass with another MLP (e.g. mixture-of-experts) makes its own."""
+        self.w_in = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), 0.02)
+        self.w_down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"), residual_std(cfg))
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:  # x: (B, T, D)
         x = x + self.attention(rms_norm(x, self.attn_norm[...]), rope)
@@ -141,6 +151,8 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     """Token embedding, `n_layers` stacked blocks run by `scan_layers`, final norm and an untied output head."""
 
+    block_type: type[Block] = Block  # what a subclass stacks instead (e.g. mixture-of-experts blocks)
+
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
@@ -148,36 +160,46 @@ class GPT(nnx.Module):
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
+            return self.block_type(cfg, rngs)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)), out_sharding=("norm",))
         self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # tokens: (B, T) -> logits (B, T, V) float32
-        dtype = jnp.dtype(self.cfg.dtype)
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)  # (B, T, D)
-        x = constrain(x, ("batch", "seq", "embed"))
+        layer, block_params = self.layer_stack(tokens.shape[1])
+        return self.unembed(scan_layers(layer, self.embed(tokens), block_params))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:  # tokens: (B, T) -> (B, T, D) in the compute dtype
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return constrain(x, ("batch", "seq", "embed"))
+
+    def layer_stack(self, seq_len: int) -> tuple[Callable, Any]:
+        """One layer as a function of (x, that layer's params), with the remat policy applied, and the stacked
+        params (as the module holds them: what `scan_layers` needs to hand pipeline stages their rows)."""
         block_def, block_params = nnx.split(self.blocks)
-        rope = rotary_angles(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_base)
+        rope = rotary_angles(seq_len, self.cfg.head_dim, self.cfg.rope_base)
 
         def layer(x, params):
             return nnx.merge(block_def, params)(x, rope)
 
-        policy = REMAT_POLICIES[self.cfg.remat]
         if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x = scan_layers(layer, x, block_params)
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        return layer, block_params
+
+    def unembed(self, x: jax.Array) -> jax.Array:  # x: (B, T, D) -> logits (B, T, V) float32
         x = rms_norm(x, self.final_norm[...])
-        logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(dtype)).astype(jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(x.dtype)).astype(jnp.float32)
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Mean next-token cross-entropy (nats/token). batch["tokens"]: (B, T + 1)."""
         tokens = batch["tokens"]
-        logits = self(tokens[:, :-1])
+        return self.next_token_loss(self(tokens[:, :-1]), tokens), {}
+
+    def next_token_loss(self, logits: jax.Array, tokens: jax.Array) -> jax.Array:
+        """Mean cross-entropy of `logits` (B, T, V) against the next tokens, tokens[:, 1:] (B, T)."""
         # One-hot rather than integer labels: with the vocabulary split over devices, picking each label's logit
         # is a gather XLA cannot partition inside the pipeline's partly manual shard_map; a masked sum can.
         targets = jax.nn.one_hot(tokens[:, 1:], self.cfg.vocab_size, dtype=logits.dtype)
-        loss = optax.softmax_cross_entropy(logits, constrain(targets, ("batch", "seq", "vocab"))).mean()
-        return loss, {}
+        return optax.softmax_cross_entropy(logits, constrain(targets, ("batch", "seq", "vocab"))).mean()

@@ -36,11 +36,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jaxtrain.constraints import constrain
-from models.gpt import REMAT_POLICIES, Block, GPTConfig, _param, rms_norm, rotary_angles
+from models.gpt import GPT, Block, GPTConfig, _param, residual_std, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,15 +125,13 @@ def route(logits: jax.Array, k: int, capacity: int) -> tuple[jax.Array, jax.Arra
 
 
 class MoEBlock(Block):
-    """GPT's block (its attention, norms and their weights) with the dense MLP's weights replaced by one pair per
-    expert and a router."""
+    """GPT's block (its attention, norms and their weights) with a router and one MLP per expert."""
 
-    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs)  # its dense w_in and w_down are replaced below, never used
+    def init_mlp(self, cfg: MoEConfig, rngs: nnx.Rngs) -> None:
         d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
         self.router = _param(rngs, (d, e), ("embed", "router"), 0.02)
         self.w_in = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), 0.02)
-        self.w_down = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), 0.02 / (2 * cfg.n_layers) ** 0.5)
+        self.w_down = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), residual_std(cfg))
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         x = x + self.attention(rms_norm(x, self.attn_norm[...]), rope)
@@ -158,47 +155,23 @@ class MoEBlock(Block):
         return jnp.einsum("egcd,gsec->gsd", out, combine.astype(dtype)), stats
 
 
-class MoE(nnx.Module):
-    """Token embedding, `n_layers` stacked MoE blocks, final norm and an untied output head (as GPT)."""
+class MoE(GPT):
+    """GPT with mixture-of-experts blocks, whose layer loop also collects each layer's routing statistics."""
 
-    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
-
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> MoEBlock:
-            return MoEBlock(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)
-        self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)), out_sharding=("norm",))
-        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
+    block_type = MoEBlock
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """tokens (B, T) -> logits (B, T, V) float32, and each layer's routing statistics (stacked, L first)."""
-        dtype = jnp.dtype(self.cfg.dtype)
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)  # (B, T, D)
-        x = constrain(x, ("batch", "seq", "embed"))
-        block_def, block_params = nnx.split(self.blocks)
-        rope = rotary_angles(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_base)
-
-        def layer(x, params):
-            return nnx.merge(block_def, params)(x, rope)
-
-        if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        x, stats = jax.lax.scan(layer, x, block_params)
-        x = rms_norm(x, self.final_norm[...])
-        logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(dtype)).astype(jnp.float32)
-        return constrain(logits, ("batch", "seq", "vocab")), stats
+        layer, block_params = self.layer_stack(tokens.shape[1])
+        x, stats = jax.lax.scan(layer, self.embed(tokens), block_params)
+        return self.unembed(x), stats
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Next-token cross-entropy plus `aux_loss_weight` x the mean auxiliary loss over layers. batch["tokens"]:
         (B, T + 1). Metrics: cross_entropy, aux_loss, expert_load, dropped."""
         tokens = batch["tokens"]
         logits, stats = self(tokens[:, :-1])
-        targets = jax.nn.one_hot(tokens[:, 1:], self.cfg.vocab_size, dtype=logits.dtype)
-        cross_entropy = optax.softmax_cross_entropy(logits, constrain(targets, ("batch", "seq", "vocab"))).mean()
+        cross_entropy = self.next_token_loss(logits, tokens)
         aux = jnp.mean(stats["aux"])
         load = stats["load"]  # (L, E)
         metrics = {

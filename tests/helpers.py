@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -15,6 +17,19 @@ def make_run(mesh: str, overrides: list[str] = (), model: str = "gpt-tiny", devi
     """A run whose steps compile when first used."""
     cfg = apply_overrides(default_config(model), [*TINY, *overrides, f"mesh={mesh}"])
     return build(cfg, log=lambda *_: None, devices=jax.devices()[:devices])
+
+
+@functools.cache
+def cached_run(mesh: str, overrides: tuple[str, ...] = (), model: str = "gpt-tiny") -> Setup:
+    """`make_run` once per test session for each (mesh, overrides, model), on 1 device for "single", else 8: tests
+    that share a run share its compiled steps (each compile costs seconds)."""
+    return make_run(mesh, overrides, model=model, devices=1 if mesh == "single" else 8)
+
+
+@functools.cache
+def reference_losses(overrides: tuple[str, ...] = (), model: str = "gpt-tiny") -> np.ndarray:
+    """The first 5 training losses on one device: what every mesh must reproduce."""
+    return losses(cached_run("single", overrides, model))
 
 
 def losses(run: Setup, steps: int = 5, params=None) -> np.ndarray:

@@ -2,13 +2,12 @@
 the 1-device run, tokens reach their experts by all-to-all over the expert axis, and the auxiliary loss balances
 the experts' load."""
 
-import functools
 import itertools
 
 import jax
 import numpy as np
 import pytest
-from helpers import losses, make_run
+from helpers import cached_run, losses, make_run, reference_losses
 
 from jaxtrain.comm_report import communication_report
 from jaxtrain.config import ConfigError, apply_overrides, default_config
@@ -77,20 +76,13 @@ def test_a_pipeline_axis_is_refused_clearly():
         make_run("pipeline=2,data=4", NO_DROPS, model="moe")
 
 
-@functools.cache
 def run_on(mesh: str):
-    """A run on `mesh`, compiled once for all the tests below (each compile costs seconds)."""
-    return make_run(mesh, NO_DROPS, model="moe", devices=1 if mesh == "single" else 8)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return losses(run_on("single"))
+    return cached_run(mesh, tuple(NO_DROPS), "moe")
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-def test_losses_match_single_device(mesh, reference):
-    np.testing.assert_allclose(losses(run_on(mesh)), reference, rtol=1e-5)
+def test_losses_match_single_device(mesh):
+    np.testing.assert_allclose(losses(run_on(mesh)), reference_losses(tuple(NO_DROPS), "moe"), rtol=1e-5)
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -1,14 +1,12 @@
 """The DLRM recommender: its click data follows the stated rule, hybrid meshes compute the 1-device run, the
 embedding tables stay split (never gathered whole, memory 1/N), and it learns what a logistic regression cannot."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import losses, make_run
+from helpers import cached_run, losses, make_run, reference_losses
 
 from jaxtrain.clicks import Clicks, batches, logistic_baseline
 from jaxtrain.config import apply_overrides, default_config
@@ -49,20 +47,13 @@ def test_model_refuses_data_of_another_shape():
         model.loss(batch)
 
 
-@functools.cache
 def run_on(mesh: str):
-    """A run on `mesh`, compiled once for all the tests below (each compile costs seconds)."""
-    return make_run(mesh, SMALL, model="recsys", devices=1 if mesh == "single" else 8)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return losses(run_on("single"))
+    return cached_run(mesh, tuple(SMALL), "recsys")
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-def test_losses_match_single_device(mesh, reference):
-    np.testing.assert_allclose(losses(run_on(mesh)), reference, rtol=1e-5)
+def test_losses_match_single_device(mesh):
+    np.testing.assert_allclose(losses(run_on(mesh)), reference_losses(tuple(SMALL), "recsys"), rtol=1e-5)
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -77,7 +77,7 @@ def _train_parser(
     parser.add_argument("--steps", type=int)
     parser.add_argument("--batch-size", type=int, help="global batch size, across all devices")
     parser.add_argument("--seq-len", type=int)
-    parser.add_argument("--data", help="builtin | synthetic | digits | path/to/text.txt")
+    parser.add_argument("--data", help="builtin | synthetic | digits | clicks | path/to/text.txt")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--metrics-file", help="append one JSON object per logged step to this file")
     parser.add_argument(

@@ -33,8 +33,8 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """`source`: builtin (text shipped with Python) | synthetic (random tokens) | digits (CSV) | clicks (synthetic
-    click logs, for recommenders) | a text file path."""
+    """`source`: builtin (text shipped with Python) | synthetic (random data of the model's shapes) | digits (CSV) |
+    clicks (synthetic click logs, for recommenders) | a text file path."""
 
     source: str = "builtin"
     batch_size: int = 32  # global, across all devices and processes

@@ -6,7 +6,9 @@ run can start at any step (resume) on any topology. Each process builds only the
 `jax.make_array_from_process_local_data` assembles the global array.
 
 Sources: `builtin` (Python standard-library source text, which ships with every Python: no download),
-`synthetic` (uniform random tokens, for benchmarks), a UTF-8/byte text file path (byte-level tokens), and
+`synthetic` (random data of the model's shapes, for benchmarks and planning: uniform tokens for language models,
+features in [0, 1) and labels for classifiers, the click logs for recommenders), a UTF-8/byte text file path
+(byte-level tokens), and
 `digits` (8x8 handwritten digits CSV, for classifiers), `clicks` (synthetic click logs with a known rule, for
 recommenders: `jaxtrain.clicks`).
 """
@@ -124,6 +126,29 @@ class SyntheticTokens:
             "tokens": np.stack(
                 [_row_rng(self.seed, split, step, r).integers(0, self.vocab_size, width) for r in rows]
             ).astype(np.int32)
+        }
+
+
+class SyntheticFeatures:
+    """Uniform random features in [0, 1) (e.g. flattened images) and uniform labels: nothing to learn, for measuring
+    speed at a model's real input width (224x224x3 for resnet-50) without its data."""
+
+    task = "classification"
+
+    def __init__(self, features: int, classes: int, seed: int):
+        self.features, self.classes, self.seed = features, classes, seed
+
+    def shapes(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {
+            "x": jax.ShapeDtypeStruct((batch_size, self.features), np.float32),
+            "y": jax.ShapeDtypeStruct((batch_size,), np.int32),
+        }
+
+    def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
+        rngs = [_row_rng(self.seed, split, step, r) for r in rows]
+        return {
+            "x": np.stack([rng.random(self.features, dtype=np.float32) for rng in rngs]),
+            "y": np.array([rng.integers(0, self.classes) for rng in rngs], dtype=np.int32),
         }
 
 
@@ -263,6 +288,15 @@ def builtin_text() -> bytes:
     return b"\n".join(chunks)[:BUILTIN_TEXT_BYTES]
 
 
+def model_data_args(model_cfg: object) -> dict[str, int]:
+    """What `make_dataset` needs to know of a model's inputs (the config fields a model has, else defaults)."""
+    return {
+        "vocab_size": getattr(model_cfg, "vocab_size", 256),
+        "features": getattr(model_cfg, "in_features", 64),
+        "classes": getattr(model_cfg, "n_classes", 10),
+    }
+
+
 def make_dataset(
     source: str,
     task: str,
@@ -270,21 +304,27 @@ def make_dataset(
     seq_len: int,
     seed: int,
     vocab_size: int = 256,
+    features: int = 64,
+    classes: int = 10,
     val_fraction: float = 0.1,
     partition: str = "uniform",
     replicas: int = 1,
 ) -> Dataset:
-    """The dataset named by `source` for a model of kind `task` ("lm" or "classification").
+    """The dataset named by `source` for a model of kind `task` ("lm", "classification" or "clicks").
 
-    `partition` (one of PARTITIONS) splits labelled training data over `replicas` replicas, see `Digits`.
+    `synthetic` is random data of the model's shapes: `vocab_size` tokens of `seq_len`, or `features` inputs and
+    `classes` labels. `partition` (one of PARTITIONS) splits labelled training data over `replicas` replicas, see
+    `Digits`.
     """
     check_partition(partition, replicas)
     if source == "digits" or source.endswith((".csv", ".csv.gz")):
         path = SHARED_DATA / "digits.csv.gz" if source == "digits" else Path(source)
         dataset: Dataset = Digits(path, seed, partition=partition, replicas=replicas)
-    elif source == "synthetic":
+    elif source == "synthetic" and task == "classification":
+        dataset = SyntheticFeatures(features, classes, seed)
+    elif source == "synthetic" and task == "lm":
         dataset = SyntheticTokens(vocab_size, seq_len, seed)
-    elif source == "clicks":
+    elif source in ("clicks", "synthetic"):
         dataset = Clicks(vocab_size, seed)  # a recommender's vocab_size: the ids per field
     elif source == "builtin":
         dataset = ByteText(builtin_text(), seq_len, seed, val_fraction, name="builtin text")
@@ -298,10 +338,10 @@ def make_dataset(
         dataset = ByteText(path.read_bytes(), seq_len, seed, val_fraction, name=str(path))
     if dataset.task != task:
         raise DataError(f"data source '{source}' is for {dataset.task} models, but this model needs {task} data.")
-    if partition != "uniform" and dataset.task != "classification":
+    if partition != "uniform" and not isinstance(dataset, Digits):
         raise DataError(
-            f"data.partition={partition} splits data by class label, so it needs class-labelled data (digits); "
-            f"'{source}' is {dataset.task} data. Use data.partition=uniform."
+            f"data.partition={partition} splits data by class label, so it needs labelled data (digits); "
+            f"'{source}' has no class labels to split by. Use data.partition=uniform."
         )
     if task == "lm" and vocab_size < 256 and not isinstance(dataset, SyntheticTokens):
         raise DataError(f"byte-level text needs vocab_size >= 256, the model has {vocab_size}.")

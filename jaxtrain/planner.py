@@ -12,19 +12,29 @@ How each figure is found (all per device):
 - activations: what `jax.vjp` keeps for the backward pass of the loss on one device's rows (one microbatch), so the
   model's own remat policy decides; plus a working set: the same count for the largest loop body or remat region
   (what the backward recomputes, and cotangents of that size) and one layer's weights gathered by FSDP.
-- which share of a traced array a device holds: the batch is traced with a prime number of rows larger than any
-  other dim, so dims carrying the batch are recognisable and scaled to the device's rows; another dim is split over
-  a mesh axis when its size is that of a logical dim the activation rules split over that axis (`mlp` over
-  `tensor`). Two logical dims of equal size split differently can be confused: a known limit of reading shapes.
-- collectives: the gradient reduced over the batch axes (reduce-scatter where the params are sharded on them,
-  all-reduce where replicated); FSDP gathers of the weights (once, and again in the backward pass for stacked
-  layers: XLA re-gathers each layer rather than keep them all); an all-reduce of the result of every contraction,
-  reduction or gather over a dim split on another axis (tensor parallelism); under a pipeline, the activations at
-  stage boundaries forward and their gradients back.
-- time: FLOPs of every matmul in the traced step (remat recompute included) / peak; HBM: matmul operands and
-  results plus reading and writing the state / HBM bandwidth; each collective / the bandwidth of its links (ICI or
-  NVLink inside a slice or host, DCN or InfiniBand across `dcn_axes`). The step lies between the largest of the
-  three (communication hidden under compute) and compute-or-memory plus all communication (none hidden).
+- which share of a traced array a device holds: the step is traced under the activation constraints, with a batch of
+  a prime number of rows (larger than any other dim) times the mesh size, so dims carrying the batch are
+  recognisable and the constraints divide. Each value's layout is followed from the batch's sharding and the
+  constraints through elementwise ops, broadcasts, reductions, transposes, matmuls and convolutions (batch dims take
+  the axes of the op's first input that has them); a dim nothing speaks for is split over a mesh axis when its size
+  is that of a logical dim the activation rules split over that axis (`mlp` over `tensor`). Two logical dims of
+  equal size split differently can be confused there: a known limit of reading shapes.
+- collectives: per param, the axes splitting the rows of the activations it meets (the batch axes; all but the
+  replicas for a ResNet's convolutions; the lookups' own for a table). Its gradient is reduced over those it is not
+  split over (reduce-scatter where FSDP shards it, all-reduce where replicated). A dim split over one of those axes
+  is gathered before use (FSDP: once, and again in the backward pass for stacked layers, as XLA re-gathers each
+  layer) unless the activation rule of its name splits that axis too: expert weights are used where they are. Rows
+  of a table looked up on devices that split them are found locally and summed: reduce-scattered over those
+  devices (their gradients gathered back) or all-reduced. A constraint moving an axis from one dim of its input to
+  another is an all-to-all (an MoE's tokens to their experts and back); one dropping an axis an all-gather. An
+  all-reduce of the result of every contraction or reduction over a dim split on another axis (tensor
+  parallelism); under a pipeline, the activations at stage boundaries forward and their gradients back.
+- batch shapes come from the model's config (the `synthetic` source): planning reads no data.
+- time: FLOPs of every matmul and convolution in the traced step (remat recompute included) / peak; HBM: their
+  operands and results plus reading and writing the state / HBM bandwidth; each collective / the bandwidth of its
+  links (ICI or NVLink inside a slice or host, DCN or InfiniBand across `dcn_axes`). The step lies between the
+  largest of the three (communication hidden under compute) and compute-or-memory plus all communication (none
+  hidden).
 """
 
 from __future__ import annotations
@@ -40,10 +50,12 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
+from jax.sharding import PartitionSpec
 
 from jaxtrain.chips import CHIPS, Chip, ChipError, chip, chip_for_device_kind
 from jaxtrain.config import RunConfig, apply_overrides
-from jaxtrain.data import make_dataset
+from jaxtrain.constraints import activation_sharding
+from jaxtrain.data import make_dataset, model_data_args
 from jaxtrain.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
 from jaxtrain.optim import make_optimizer
 from jaxtrain.plan import Plan, device_bytes, fmt_bytes, format_table, make_plan, split_model, tree_device_bytes
@@ -154,9 +166,10 @@ class Estimate:
         """One line: model, batch, mesh, chip."""
         t, d, live = self.cfg.train, self.cfg.data, [f"{a}={n}" for a, n in self.mesh_shape.items() if n > 1]
         remat = getattr(self.cfg.model, "remat", None)
+        seq = f" x seq {d.seq_len}" if resolve_model(self.cfg.model_name)[0].task == "lm" else ""
         hosts = f"; across hosts: {' '.join(sorted(self.slow_axes))}" if self.slow_axes else ""
         return (
-            f"{self.cfg.model_name}, batch {d.batch_size} x seq {d.seq_len}, grad_accum {t.grad_accum}"
+            f"{self.cfg.model_name}, batch {d.batch_size}{seq}, grad_accum {t.grad_accum}"
             f"{f', remat {remat}' if remat else ''}; mesh '{self.layout.name}' ({' '.join(live) or 'one device'}; "
             f"{self.devices} x {self.chip.name}{hosts})"
         )
@@ -249,7 +262,7 @@ def estimate(cfg: RunConfig, chip: Chip, devices: int, layout: MeshLayout | None
     t = cfg.train
     policy = UpdatePolicy(t.sync, t.sync_every, t.staleness, t.outer_lr, t.outer_momentum)
     plan = make_plan(mesh, rules, model, optimizer, None, policy)
-    shapes = _batch_shapes(cfg, spec.task, mesh.shape["replica"])
+    shapes = _batch_shapes(cfg, spec.task)
     batch = plan.abstract_batch(shapes, t.grad_accum)  # checks the batch divides
     step = _StepTrace(plan, shapes, t.grad_accum)
 
@@ -263,9 +276,9 @@ def estimate(cfg: RunConfig, chip: Chip, devices: int, layout: MeshLayout | None
         batch=tree_device_bytes(batch),
         grads=params * (2 if t.grad_accum > 1 else 1),
         activations=step.saved_bytes(),
-        working=step.working_bytes() + _gathered_layer_bytes(plan),
+        working=step.working_bytes() + _gathered_layer_bytes(plan, step.used),
     )
-    transfers = _merge([*_weight_transfers(plan, t.grad_accum), *step.transfers()])
+    transfers = _merge([*_weight_transfers(plan, t.grad_accum, step.used), *step.transfers()])
     seq_len = cfg.data.seq_len if spec.task == "lm" else 1
     return Estimate(
         cfg,
@@ -324,84 +337,206 @@ def comm_by_axes(transfers: Sequence[Transfer]) -> dict[tuple[str, ...], float]:
     return dict(out)
 
 
-def _batch_shapes(cfg: RunConfig, task: str, replicas: int) -> dict[str, jax.ShapeDtypeStruct]:
+def _batch_shapes(cfg: RunConfig, task: str) -> dict[str, jax.ShapeDtypeStruct]:
+    """The batch's shapes from the model's config alone (the synthetic source): planning reads no data."""
     dataset = make_dataset(
-        cfg.data.source,
-        task,
-        seed=cfg.train.seed,
-        seq_len=cfg.data.seq_len,
-        vocab_size=getattr(cfg.model, "vocab_size", 256),
-        val_fraction=cfg.data.val_fraction,
-        partition=cfg.data.partition,
-        replicas=replicas,
+        "synthetic", task, seed=cfg.train.seed, seq_len=cfg.data.seq_len, **model_data_args(cfg.model)
     )
     return dataset.shapes(cfg.data.batch_size)
 
 
+# What is known of a traced value's layout: per dim, the mesh axes splitting it, or None where unknown.
+Spec = tuple[tuple[str, ...] | None, ...]
+
+
+def _spec_entries(spec: PartitionSpec, ndim: int) -> Spec:
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    return tuple(entries + [()] * (ndim - len(entries)))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Shares:
-    """Which part of a traced array one device holds, read from its shape (see the module docstring)."""
+    """Which part of a traced array one device holds (see the module docstring): from its `Spec` where known, else
+    read from its shape."""
 
-    probe: int  # rows the batch was traced with: a prime larger than any other dim
-    rows: int  # the device's real rows
+    probe: int  # rows the batch was traced with: a multiple of the mesh size by a prime larger than any other dim
+    batch: int  # real rows of one microbatch, all devices together
+    batch_axes: tuple[str, ...]  # the axes splitting batch dims where nothing else is known
     split: Mapping[str, frozenset[int]]  # mesh axis -> sizes of the logical dims split over it
     mesh_shape: Mapping[str, int]
 
-    def axes(self, shape: Sequence[int]) -> list[str | None]:
-        """The mesh axis splitting each dim (None: whole, or a batch dim already cut to the device's rows)."""
-        used, out = set(), []
-        for size in shape:
-            axis = None
-            if size % self.probe:
+    def is_batch(self, size: int) -> bool:
+        return size % self.probe == 0
+
+    def dims(self, shape: Sequence[int], spec: Spec | None = None) -> list[tuple[str, ...]]:
+        """The mesh axes splitting each dim: as `spec` says where known; batch dims by the batch axes; another dim
+        by the first free axis splitting a logical dim of its size."""
+        spec = spec or (None,) * len(shape)
+        out = [s if s is not None else self.batch_axes if self.is_batch(n) else None for n, s in zip(shape, spec)]
+        used = {a for axes in out if axes for a in axes}
+        for i, size in enumerate(shape):
+            if out[i] is None:
                 axis = next((a for a, s in self.split.items() if a not in used and size in s), None)
-                if axis is not None and size % self.mesh_shape[axis]:
-                    axis = None
-            used.add(axis)
-            out.append(axis)
+                out[i] = (axis,) if axis is not None and size % self.mesh_shape[axis] == 0 else ()
+                used.update(out[i])
         return out
 
-    def sizes(self, shape: Sequence[int]) -> list[float]:
+    def model_axes(self, shape: Sequence[int], spec: Spec | None = None) -> set[str]:
+        """Axes splitting dims other than the batch's."""
+        return {a for n, axes in zip(shape, self.dims(shape, spec)) if not self.is_batch(n) for a in axes}
+
+    def sizes(self, shape: Sequence[int], spec: Spec | None = None) -> list[float]:
         """Per-device dim sizes."""
         return [
-            s // self.probe * self.rows if s % self.probe == 0 else s / (self.mesh_shape[a] if a else 1)
-            for s, a in zip(shape, self.axes(shape))
+            (n // self.probe * self.batch if self.is_batch(n) else n) / math.prod(self.mesh_shape[a] for a in axes)
+            for n, axes in zip(shape, self.dims(shape, spec))
         ]
 
-    def bytes(self, aval: Any) -> float:
+    def bytes(self, aval: Any, spec: Spec | None = None) -> float:
         if not hasattr(aval, "shape"):
             return 0.0
-        return math.prod(self.sizes(aval.shape)) * np.dtype(aval.dtype).itemsize
+        return math.prod(self.sizes(aval.shape, spec)) * np.dtype(aval.dtype).itemsize
+
+
+class _Flow:
+    """What is known of each value of a traced step while walking it in order: its layout (`Spec`: from the batch's
+    sharding and the activation constraints, carried through elementwise ops, broadcasts, reductions and transposes;
+    elsewhere the batch dims take the axes of the op's first input that has them) and which parameter it is (a cast
+    of one, or a layer's slice in a scan)."""
+
+    # Ops whose output is still the parameter they take (cast, copied, broadcast for a bias, reshaped).
+    _VIEWS = {"convert_element_type", "copy", "copy_p", "reshard", "broadcast_in_dim", "reshape", "squeeze"}
+
+    def __init__(self, shares: _Shares, jaxpr: Jaxpr | None = None, param_specs: Sequence[Spec] = ()):
+        self.shares = shares
+        self.spec: dict[Any, Spec] = {}
+        self.param: dict[Any, int] = {}
+        if jaxpr is not None:  # invars: the params' leaves, then the batch's
+            for i, v in enumerate(jaxpr.invars):
+                if i < len(param_specs):
+                    self.param[v], self.spec[v] = i, param_specs[i]
+                else:
+                    self.spec[v] = (shares.batch_axes, *[()] * (v.aval.ndim - 1))
+
+    def of(self, v: Any) -> Spec | None:
+        return None if isinstance(v, Literal) else self.spec.get(v)
+
+    def infer(self, eqn: Any) -> None:
+        """Set what is known of the outputs of `eqn`, an op without nested jaxprs."""
+        name, p = eqn.primitive.name, eqn.params
+        if name in self._VIEWS and not isinstance(eqn.invars[0], Literal) and eqn.invars[0] in self.param:
+            self.param[eqn.outvars[0]] = self.param[eqn.invars[0]]
+        src = self.of(eqn.invars[0]) if eqn.invars else None
+        for out in eqn.outvars:
+            ndim = len(out.aval.shape) if hasattr(out.aval, "shape") else 0
+            if name == "sharding_constraint":
+                spec = _spec_entries(p["sharding"].spec, ndim)
+            elif src is not None and name == "broadcast_in_dim":
+                spec = [None] * ndim  # new dims are free to take any layout
+                for i, d in enumerate(p["broadcast_dimensions"]):
+                    spec[d] = src[i]
+            elif src is not None and "axes" in p and (name.startswith("reduce_") or name in ("argmax", "argmin")):
+                spec = [s for i, s in enumerate(src) if i not in p["axes"]]
+            elif src is not None and name == "transpose":
+                spec = [src[i] for i in p["permutation"]]
+            elif name == "dot_general":
+                spec = self._contraction(eqn)
+            elif name == "conv_general_dilated":
+                spec = self._convolution(eqn)
+            else:
+                spec = self._elementwise(eqn, out) or self._batch_only(eqn, out)
+            if spec is not None and len(spec) == ndim:
+                self.spec[out] = tuple(spec)
+
+    def _elementwise(self, eqn: Any, out: Any) -> Spec | None:
+        same = (self.of(v) for v in eqn.invars if getattr(v.aval, "shape", None) == out.aval.shape)
+        return next((s for s in same if s is not None), None)
+
+    def _contraction(self, eqn: Any) -> Spec:
+        """A matmul's output dims: the batch dims, then the free dims of each side, each split as it was."""
+        (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
+        lhs, rhs = [self.of(v) or (None,) * len(v.aval.shape) for v in eqn.invars]
+        batch = [lhs[i] if lhs[i] is not None else rhs[j] for i, j in zip(lhs_b, rhs_b)]
+        free = [lhs[i] for i in range(len(lhs)) if i not in (*lhs_c, *lhs_b)]
+        return (*batch, *free, *(rhs[i] for i in range(len(rhs)) if i not in (*rhs_c, *rhs_b)))
+
+    def _convolution(self, eqn: Any) -> Spec:
+        """A convolution's output dims: its batch and window dims split as the input's, its features as the
+        kernel's output features."""
+        dn = eqn.params["dimension_numbers"]
+        lhs, rhs = [self.of(v) or (None,) * len(v.aval.shape) for v in eqn.invars]
+        out = [None] * len(lhs)
+        out[dn.out_spec[0]], out[dn.out_spec[1]] = lhs[dn.lhs_spec[0]], rhs[dn.rhs_spec[0]]
+        for o, i in zip(dn.out_spec[2:], dn.lhs_spec[2:]):
+            out[o] = lhs[i]
+        return tuple(out)
+
+    def _batch_only(self, eqn: Any, out: Any) -> Spec | None:
+        """The batch dims of `out` split as those of the first input whose batch dims are known; the rest unknown."""
+        shape = getattr(out.aval, "shape", ())
+        for v in eqn.invars:
+            spec, in_shape = self.of(v), getattr(v.aval, "shape", ())
+            axes = [s for n, s in zip(in_shape, spec or ()) if s is not None and self.shares.is_batch(n)]
+            if axes:
+                return tuple(axes[0] if self.shares.is_batch(n) else None for n in shape)
+        return None
+
+    def enter(self, eqn: Any, sub: Jaxpr) -> None:
+        """Carry what is known of `eqn`'s inputs to `sub`'s (a scan's xs lose their leading dim)."""
+        outer = eqn.invars[len(eqn.invars) - len(sub.invars) :]  # a cond's branches take all but the index
+        if len(outer) != len(sub.invars):
+            return
+        for o, i in zip(outer, sub.invars):
+            if isinstance(o, Literal):
+                continue
+            if o in self.param:
+                self.param[i] = self.param[o]
+            if (spec := self.spec.get(o)) is not None:
+                self.spec[i] = spec[len(spec) - len(i.aval.shape) :]
+
+    def leave(self, eqn: Any, sub: Jaxpr) -> None:
+        """Carry what is known of `sub`'s outputs to `eqn`'s (a scan's ys gain a leading dim)."""
+        if len(sub.outvars) != len(eqn.outvars):
+            return
+        for i, o in zip(sub.outvars, eqn.outvars):
+            if (spec := self.of(i)) is not None:
+                self.spec[o] = ((),) * (len(o.aval.shape) - len(spec)) + spec
 
 
 class _StepTrace:
-    """The loss and its gradient for one microbatch of one device's rows, traced (not compiled) and read for
-    residuals, FLOPs, matmul bytes and the collectives of split dims."""
+    """The loss and its gradient for one microbatch, traced (not compiled) under the activation constraints, and
+    read for residuals, FLOPs, matmul bytes, the collectives of split dims and how each parameter is used."""
 
     def __init__(self, plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int):
         mesh = plan.mesh
-        batch_axes = [a for a in plan.rules.batch_axes() if mesh.shape[a] > 1]
-        rows = next(iter(shapes.values())).shape[0] // (accum * math.prod(mesh.shape[a] for a in batch_axes))
+        batch_axes = tuple(a for a in plan.rules.batch_axes() if mesh.shape[a] > 1)
         dims = _logical_sizes(plan)
-        probe = _prime_above(max([rows, *dims.values(), *(d for s in shapes.values() for d in s.shape)]))
+        batch = next(iter(shapes.values())).shape[0] // accum
+        probe = _prime_above(max([batch, *dims.values(), *(d for s in shapes.values() for d in s.shape)])) * mesh.size
         table = {**plan.rules.activations, "layers": plan.rules.params.get("layers", ())}
         split = {
             axis: frozenset(size for name, size in dims.items() if axis in table.get(name, ()))
             for axis in mesh.axis_names
             if mesh.shape[axis] > 1 and axis not in batch_axes
         }
-        self.shares = _Shares(probe, rows, split, dict(mesh.shape))
-        self.accum = accum
+        self.plan, self.accum = plan, accum
+        self.shares = _Shares(probe, batch, batch_axes, split, dict(mesh.shape))
+        self.param_specs = _params_in_use(plan)
         self.loss = lambda p, b: plan.model.loss_fn(p, b)[0]
         self.args = (
             plan.model.abstract_params,
             {k: jax.ShapeDtypeStruct((probe, *s.shape[1:]), s.dtype) for k, s in shapes.items()},
         )
-        self.loss_jaxpr = jax.make_jaxpr(self.loss)(*self.args).jaxpr
-        self._read_grad(jax.make_jaxpr(jax.value_and_grad(self.loss))(*self.args).jaxpr)
+        self.loss_jaxpr = self._trace(self.loss).jaxpr
+        self._read_grad(self._trace(jax.value_and_grad(self.loss)).jaxpr)
+
+    def _trace(self, fn: Any, args: Sequence[Any] | None = None) -> ClosedJaxpr:
+        with activation_sharding(self.plan.mesh, self.plan.rules):
+            return jax.make_jaxpr(fn)(*(args or self.args))
 
     def saved_bytes(self) -> float:
         """Residuals of the loss for one microbatch: what its forward pass keeps for the backward pass."""
-        return _residual_bytes(self.loss, self.args, self.shares)
+        return self._residual_bytes(self.loss, self.args, self.param_specs)
 
     def working_bytes(self) -> float:
         """The residuals of the largest loop body or remat region run as a function of its own, without its remat
@@ -411,30 +546,91 @@ class _StepTrace:
             if (eqn.primitive.name == "scan" or eqn.primitive.name in _REMAT) and not _body(eqn).constvars:
                 body = _body(eqn)
                 args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
-                sizes.append(_residual_bytes(jaxpr_as_fun(ClosedJaxpr(body, [])), args, self.shares))
+                sizes.append(self._residual_bytes(jaxpr_as_fun(ClosedJaxpr(body, [])), args))
         return max(sizes)
 
+    def _residual_bytes(self, fn: Any, args: Sequence[Any], param_specs: Sequence[Spec] = ()) -> float:
+        """Per-device bytes of what `jax.vjp(fn, *args)` keeps for the backward pass, not counting its inputs."""
+        closed = self._trace(lambda *a: jax.vjp(fn, *a)[1], args)
+        flow = _Flow(self.shares, closed.jaxpr, param_specs)
+        for _ in _walk(closed.jaxpr, flow=flow):
+            pass
+        inputs = set(closed.jaxpr.invars)
+        kept = {v for v in closed.jaxpr.outvars if not isinstance(v, Literal) and v not in inputs}
+        return sum(self.shares.bytes(v.aval, flow.of(v)) for v in kept)
+
     def transfers(self) -> list[Transfer]:
-        out = [Transfer(axes, "all-reduce", b * self.accum, "activations (split dims)") for axes, b in self._reduce]
+        out = [dataclasses.replace(t, bytes=t.bytes * self.accum) for t in self._transfers]
         if self.shares.mesh_shape.get("pipeline", 1) > 1:
             out.append(Transfer(("pipeline",), "collective-permute", 2 * self._stage_io(), "stage activations"))
         return out
 
     def _read_grad(self, jaxpr: Jaxpr) -> None:
-        shares, flops, matmul_bytes, reduce = self.shares, 0.0, 0.0, []
-        for eqn, trips in _walk(jaxpr):
-            name = eqn.primitive.name
-            if name not in _COMBINING:
+        """FLOPs and bytes of every matmul and convolution; collectives of contractions over split dims, of
+        resharded activations and of lookups into split tables; the batch axes each parameter is used over."""
+        shares, flow = self.shares, _Flow(self.shares, jaxpr, self.param_specs)
+        self.flops = self.matmul_bytes = 0.0
+        self._transfers: list[Transfer] = []
+        self.used: dict[int, set[str]] = collections.defaultdict(set)  # param -> axes splitting its inputs' rows
+        lookups: dict[Any, tuple[tuple[str, ...], float]] = {}  # a lookup's rows -> (axes to sum over, bytes)
+        for eqn, trips in _walk(jaxpr, flow=flow):
+            if not eqn.outvars:
                 continue
-            ins, out = [v.aval for v in eqn.invars], eqn.outvars[0].aval
-            if name == "dot_general":
-                (lhs_c, _), _ = eqn.params["dimension_numbers"]
-                contracted = math.prod(shares.sizes(ins[0].shape)[d] for d in lhs_c)
-                flops += trips * 2 * math.prod(shares.sizes(out.shape)) * contracted
-                matmul_bytes += trips * (sum(shares.bytes(a) for a in ins) + shares.bytes(out))
-            combined = set(shares.axes(ins[0].shape)) - set(shares.axes(out.shape)) - {None, "pipeline"}
-            reduce += [((axis,), trips * _all_reduce(shares.mesh_shape[axis]) * shares.bytes(out)) for axis in combined]
-        self.flops, self.matmul_bytes, self._reduce = flops * self.accum, matmul_bytes * self.accum, reduce
+            name, out = eqn.primitive.name, eqn.outvars[0]
+            ins = [(v.aval, flow.of(v)) for v in eqn.invars]
+            self._note_uses(eqn, flow)
+            if name in ("dot_general", "conv_general_dilated"):
+                self.flops += trips * _flops(eqn, shares, flow)
+                self.matmul_bytes += trips * (sum(shares.bytes(*a) for a in ins) + shares.bytes(out.aval, flow.of(out)))
+            if name == "gather" and eqn.invars[0] in flow.param:
+                axes = self._lookup_axes(eqn, flow.param[eqn.invars[0]])
+                if axes:
+                    lookups[out] = (axes, trips * shares.bytes(out.aval, flow.of(out)))
+            elif name in ("convert_element_type", "copy", "copy_p") and eqn.invars[0] in lookups:
+                lookups[out] = lookups.pop(eqn.invars[0])
+            elif name == "sharding_constraint" and eqn.invars[0] in lookups:
+                self._transfers += _lookup_sums(*lookups.pop(eqn.invars[0]), flow.of(out), shares.mesh_shape)
+            elif name == "sharding_constraint" and not isinstance(eqn.invars[0], Literal):
+                self._transfers += _reshards(eqn.invars[0].aval, ins[0][1], flow.of(out), trips, shares)
+            elif name in _COMBINING:
+                combined = (
+                    shares.model_axes(ins[0][0].shape, ins[0][1])
+                    - shares.model_axes(out.aval.shape, flow.of(out))
+                    - {"pipeline"}
+                )
+                for axis in combined:
+                    b = trips * _all_reduce(shares.mesh_shape[axis]) * shares.bytes(out.aval, flow.of(out))
+                    self._transfers.append(Transfer((axis,), "all-reduce", b, "activations (split dims)"))
+        for axes, b in lookups.values():  # rows looked up and never laid out again: summed where they are
+            self._transfers.append(
+                Transfer(axes, "all-reduce", _all_reduce(_ways(axes, shares.mesh_shape)) * b, "looked-up rows")
+            )
+        self.flops *= self.accum
+        self.matmul_bytes *= self.accum
+
+    def _note_uses(self, eqn: Any, flow: _Flow) -> None:
+        """Record, for each parameter `eqn` takes, the axes splitting the batch dims of its other operands."""
+        params = {flow.param[v] for v in eqn.invars if not isinstance(v, Literal) and v in flow.param}
+        if not params:
+            return
+        axes: set[str] = set()
+        for v in [*eqn.invars, *eqn.outvars]:
+            shape = getattr(v.aval, "shape", ())
+            if not isinstance(v, Literal) and v not in flow.param and any(self.shares.is_batch(n) for n in shape):
+                dims = self.shares.dims(shape, flow.of(v))
+                axes.update(a for n, d in zip(shape, dims) if self.shares.is_batch(n) for a in d)
+                axes.add("")  # marks the param as used with the batch, even over no axes
+        for p in params:
+            if axes:
+                self.used[p].update(axes)
+
+    def _lookup_axes(self, eqn: Any, param: int) -> tuple[str, ...]:
+        """Axes splitting the dims a gather indexes in parameter `param`: each device looks up its own rows."""
+        leaf = jax.tree.leaves(self.plan.abstract_state["params"])[param]
+        spec = _spec_entries(leaf.sharding.spec, len(leaf.shape))
+        indexed = eqn.params["dimension_numbers"].start_index_map
+        axes = {a for d in indexed for a in spec[d] if a != "pipeline"}
+        return tuple(a for a in MESH_AXES if a in axes and self.shares.mesh_shape[a] > 1)
 
     def _stage_io(self) -> float:
         """Bytes of the carry of the longest loop (the layer stack): what crosses a pipeline stage boundary."""
@@ -446,21 +642,89 @@ class _StepTrace:
         return sum(self.shares.bytes(v.aval) for v in longest.invars[start : start + count])
 
 
-def _residual_bytes(fn: Any, args: Sequence[Any], shares: _Shares) -> float:
-    """Per-device bytes of what `jax.vjp(fn, *args)` keeps for the backward pass, not counting its inputs."""
-    closed = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1])(*args)
-    inputs = set(closed.jaxpr.invars)
-    kept = {v for v in closed.jaxpr.outvars if not isinstance(v, Literal) and v not in inputs}
-    return sum(shares.bytes(v.aval) for v in kept)
+def _params_in_use(plan: Plan) -> list[Spec]:
+    """Each param's layout where it is used: split where the activation rule of a dim's name splits that dim too
+    (tensor-parallel dims, experts), whole where its axes are gathered before use (FSDP) or indexed (tables)."""
+    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    out = []
+    for ns, p in zip(names, jax.tree.leaves(plan.abstract_state["params"])):
+        spec = _spec_entries(p.sharding.spec, len(p.shape))
+        out.append(tuple(tuple(a for a in d if n and a in plan.rules.activations.get(n, ())) for n, d in zip(ns, spec)))
+    return out
 
 
-def _walk(jaxpr: Jaxpr, trips: int = 1) -> Iterator[tuple[Any, int]]:
-    """Every equation, nested ones included, with how often it runs (loop trip counts multiplied)."""
+def _flops(eqn: Any, shares: _Shares, flow: _Flow) -> float:
+    """Per-device FLOPs of a matmul or a convolution: 2 x output elements x the products summed into each."""
+    (lhs, lhs_spec), (rhs, rhs_spec) = [(v.aval, flow.of(v)) for v in eqn.invars[:2]]
+    out = eqn.outvars[0]
+    if eqn.primitive.name == "dot_general":
+        (lhs_c, _), _ = eqn.params["dimension_numbers"]
+        lhs_sizes = shares.sizes(lhs.shape, lhs_spec)
+        summed = math.prod(lhs_sizes[d] for d in lhs_c)
+    else:  # a convolution: each output sums over the window and the input features of its group
+        rhs_dims = eqn.params["dimension_numbers"].rhs_spec  # (out features, in features, *window)
+        rhs_sizes = shares.sizes(rhs.shape, rhs_spec)
+        summed = math.prod(rhs_sizes[d] for d in rhs_dims[1:])
+    return 2 * math.prod(shares.sizes(out.aval.shape, flow.of(out))) * summed
+
+
+def _ways(axes: Sequence[str], mesh_shape: Mapping[str, int]) -> int:
+    return math.prod(mesh_shape[a] for a in axes)
+
+
+def _lookup_sums(axes: tuple[str, ...], b: float, after: Spec | None, mesh_shape: Mapping[str, int]) -> list[Transfer]:
+    """Rows looked up in a table split over `axes` (`b` bytes per device, each device's own rows found, zeros
+    elsewhere) are summed over `axes`: scattered there when the next layout splits the rows over `axes` (and the
+    backward pass gathers their gradients back), else all-reduced."""
+    n = _ways(axes, mesh_shape)
+    if set(axes) <= {a for d in after or () if d for a in d}:
+        return [
+            Transfer(axes, "reduce-scatter", (n - 1) / n * b, "looked-up rows"),
+            Transfer(axes, "all-gather", (n - 1) / n * b, "looked-up rows' gradients"),
+        ]
+    return [Transfer(axes, "all-reduce", _all_reduce(n) * b, "looked-up rows")]
+
+
+def _reshards(aval: Any, before: Spec | None, after: Spec | None, trips: int, shares: _Shares) -> list[Transfer]:
+    """What a sharding constraint moves: an all-to-all over the axes that split another dim of its input (tokens
+    sorted by expert moving to their experts), an all-gather over those that split its input but not its output."""
+    if before is None or after is None:
+        return []
+    where_after = {a: i for i, d in enumerate(after) for a in d or ()}
+    moved, dropped = [], []
+    for i, d in enumerate(before):
+        for a in d or ():
+            if a in where_after and where_after[a] != i:
+                moved.append(a)
+            elif a not in where_after:
+                dropped.append(a)
+    b, out = trips * shares.bytes(aval, before), []
+    if moved := tuple(a for a in MESH_AXES if a in moved and shares.mesh_shape[a] > 1):
+        out.append(
+            Transfer(moved, "all-to-all", (1 - 1 / _ways(moved, shares.mesh_shape)) * b, "activations (resharded)")
+        )
+    if dropped := tuple(a for a in MESH_AXES if a in dropped and shares.mesh_shape[a] > 1):
+        out.append(
+            Transfer(dropped, "all-gather", (_ways(dropped, shares.mesh_shape) - 1) * b, "activations (resharded)")
+        )
+    return out
+
+
+def _walk(jaxpr: Jaxpr, trips: int = 1, flow: _Flow | None = None) -> Iterator[tuple[Any, int]]:
+    """Every equation, nested ones included, with how often it runs (loop trip counts multiplied); with `flow`,
+    what is known of each value is updated as the walk goes."""
     for eqn in jaxpr.eqns:
+        subs = list(jaxprs_in_params(eqn.params))
+        if flow is not None and not subs:
+            flow.infer(eqn)
         yield eqn, trips
         inner = trips * eqn.params["length"] if eqn.primitive.name == "scan" else trips
-        for sub in jaxprs_in_params(eqn.params):
-            yield from _walk(sub, inner)
+        for sub in subs:
+            if flow is not None:
+                flow.enter(eqn, sub)
+            yield from _walk(sub, inner, flow)
+            if flow is not None:
+                flow.leave(eqn, sub)
 
 
 def _body(eqn: Any) -> Jaxpr:
@@ -491,33 +755,54 @@ def _param_axes(x: jax.ShapeDtypeStruct) -> set[str]:
     return {a for e in x.sharding.spec if e for a in ((e,) if isinstance(e, str) else e)}
 
 
-def _weight_transfers(plan: Plan, accum: int) -> list[Transfer]:
+def _weight_axes(plan: Plan, used: Mapping[int, set[str]]) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Per param: (axes its weights are gathered over before use, axes its gradient is all-reduced over).
+
+    A param is used over the axes that split the rows of the activations it meets (`used`; the batch axes when it
+    meets none). A dim split over one of those axes is gathered (FSDP), unless the activation rule of its logical
+    name splits over that axis too: then each device uses its own slice where it is (an expert's weights, the
+    experts' tokens travelling to them instead). A table's rows split over axes its lookups are not split over are
+    never gathered either: each device looks up its own rows. The gradient is summed over the axes the param is
+    used over but not split over."""
+    mesh, default = plan.mesh, set(plan.rules.batch_axes())
+    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    out = []
+    for i, (ns, p) in enumerate(zip(names, jax.tree.leaves(plan.abstract_state["params"]))):
+        over = used.get(i, default) - {""}
+        spec = _spec_entries(p.sharding.spec, len(p.shape))
+        in_place = {a for n, d in zip(ns, spec) for a in d if n and a in plan.rules.activations.get(n, ())}
+        live = [a for a in MESH_AXES if mesh.shape[a] > 1]
+        gathered = tuple(a for a in live if a in _param_axes(p) and a in over and a not in in_place)
+        reduced = tuple(a for a in live if a in over and a not in _param_axes(p))
+        out.append((gathered, reduced))
+    return out
+
+
+def _weight_transfers(plan: Plan, accum: int, used: Mapping[int, set[str]]) -> list[Transfer]:
     """FSDP gathers (every microbatch) and the gradient reduction over the batch axes (once per step)."""
     mesh, out = plan.mesh, []
-    batch_axes = [a for a in MESH_AXES if a in plan.rules.batch_axes() and mesh.shape[a] > 1]
     names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
-    for ns, p in zip(names, jax.tree.leaves(plan.abstract_state["params"])):
+    params = jax.tree.leaves(plan.abstract_state["params"])
+    for ns, p, (gathered, reduced) in zip(names, params, _weight_axes(plan, used)):
         shard = device_bytes(p)
-        gathered = tuple(a for a in batch_axes if a in _param_axes(p))
-        replicated = tuple(a for a in batch_axes if a not in _param_axes(p))
         if gathered:
             n = math.prod(mesh.shape[a] for a in gathered)
             passes = 2 if is_layer_stack(ns) else 1  # forward, and again in the backward pass
             out.append(Transfer(gathered, "all-gather", passes * accum * (n - 1) * shard, "weights (FSDP)"))
             out.append(Transfer(gathered, "reduce-scatter", (n - 1) * shard, "gradients"))
-        if replicated:
-            n = math.prod(mesh.shape[a] for a in replicated)
-            out.append(Transfer(replicated, "all-reduce", _all_reduce(n) * shard, "gradients"))
+        if reduced:
+            n = math.prod(mesh.shape[a] for a in reduced)
+            out.append(Transfer(reduced, "all-reduce", _all_reduce(n) * shard, "gradients"))
     return out
 
 
-def _gathered_layer_bytes(plan: Plan) -> float:
+def _gathered_layer_bytes(plan: Plan, used: Mapping[int, set[str]]) -> float:
     """Bytes of the weights FSDP gathers at once: one layer of each stacked param, or the other params."""
-    mesh, batch_axes = plan.mesh, plan.rules.batch_axes()
     names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    params = jax.tree.leaves(plan.abstract_state["params"])
     stacked = other = 0.0
-    for ns, p in zip(names, jax.tree.leaves(plan.abstract_state["params"])):
-        ways = math.prod(mesh.shape[a] for a in _param_axes(p) if a in batch_axes)
+    for ns, p, (gathered, _) in zip(names, params, _weight_axes(plan, used)):
+        ways = math.prod(plan.mesh.shape[a] for a in gathered)
         if ways == 1:
             continue
         if is_layer_stack(ns):

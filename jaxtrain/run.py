@@ -24,7 +24,7 @@ from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.comm import ALGORITHMS, GradientSync
 from jaxtrain.comm_report import communication_report
 from jaxtrain.config import ConfigError, RunConfig
-from jaxtrain.data import Dataset, global_batch, make_dataset
+from jaxtrain.data import Dataset, global_batch, make_dataset, model_data_args
 from jaxtrain.distributed import describe_processes, to_host
 from jaxtrain.flops import peak_flops
 from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
@@ -173,7 +173,7 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         spec.task,
         seed=cfg.train.seed,
         seq_len=cfg.data.seq_len,
-        vocab_size=getattr(cfg.model, "vocab_size", 256),
+        **model_data_args(cfg.model),
         val_fraction=cfg.data.val_fraction,
         partition=cfg.data.partition,
         replicas=mesh.shape["replica"],

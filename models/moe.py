@@ -120,7 +120,8 @@ def route(logits: jax.Array, k: int, capacity: int) -> tuple[jax.Array, jax.Arra
     dispatch = jnp.einsum("gske,gskc->gsec", kept, slots)
     combine = jnp.einsum("gsk,gske,gskc->gsec", gates, kept, slots)
     routed = jnp.sum(chosen, axis=(0, 1, 2))  # (E,)
-    aux = experts * jnp.sum(routed / (groups * size * k) * jnp.mean(probs, axis=(0, 1)))
+    # A float, not an int: as an int32 the count overflows for the huge batches `jaxtrain plan` traces with.
+    aux = experts * jnp.sum(routed / float(groups * size * k) * jnp.mean(probs, axis=(0, 1)))
     return dispatch, combine, {"aux": aux, "load": routed, "dropped": jnp.sum(chosen) - jnp.sum(kept)}
 
 

@@ -49,8 +49,8 @@ def test_missing_digits_file(tmp_path):
 
 
 def test_wrong_data_for_model():
-    with pytest.raises(DataError, match="is for lm models, but this model needs classification data"):
-        make_dataset("synthetic", "classification", seq_len=1, seed=0)
+    with pytest.raises(DataError, match="is for clicks models, but this model needs classification data"):
+        make_dataset("clicks", "classification", seq_len=1, seed=0)
 
 
 def test_batch_not_divisible_by_batch_axes():

@@ -28,17 +28,23 @@ def _cfg(model: str, overrides: list[str]):
 
 
 @pytest.mark.parametrize(
-    "mesh,extra",
+    "model,mesh,extra",
     [
-        ("data=8", []),
-        pytest.param("fsdp=8", [], marks=pytest.mark.slow),  # fsdp=8 with remat below covers FSDP by default
-        ("data=2,fsdp=2,tensor=2", []),
-        ("data=2,tensor=4", []),
-        ("fsdp=8", ["remat=full"]),
+        ("gpt-tiny", "data=8", TINY),
+        pytest.param("gpt-tiny", "fsdp=8", TINY, marks=pytest.mark.slow),  # fsdp=8 with remat covers FSDP
+        ("gpt-tiny", "data=2,fsdp=2,tensor=2", TINY),
+        ("gpt-tiny", "data=2,tensor=4", TINY),
+        ("gpt-tiny", "fsdp=8", [*TINY, "remat=full"]),
+        # Expert weights used in place (never gathered) and tokens moved to them by all-to-all over `expert`.
+        ("moe-tiny", "data=2,expert=4", TINY),
+        # Row-split tables never gathered: the rows found are reduce-scattered over the devices that split them.
+        ("recsys", "data=2,tensor=4", ["batch_size=32", "vocab_size=512"]),
+        # Convolutions split over data and tensor, the head tensor-parallel: conv FLOPs, synthetic 32x32 images.
+        ("resnet-cifar", "data=4,tensor=2", ["batch_size=16"]),
     ],
 )
-def test_estimate_agrees_with_compiled_step(mesh, extra):
-    cfg = _cfg("gpt-tiny", [*TINY, *extra, f"mesh={mesh}"])
+def test_estimate_agrees_with_compiled_step(model, mesh, extra):
+    cfg = _cfg(model, [*extra, f"mesh={mesh}", "data.source=synthetic"])
     est = estimate(cfg, chip("v5p"), 8)
     got = measure(cfg, jax.devices()[:8])
     assert est.memory.arguments == pytest.approx(got.arguments, rel=0.15)
@@ -49,6 +55,48 @@ def test_estimate_agrees_with_compiled_step(mesh, extra):
     for axes, sent in got.comm.items():
         if sent >= COMM_MIN_SHARE * total:
             assert expected.get(axes, 0.0) == pytest.approx(sent, rel=COMM_TOLERANCE), axes
+
+
+@pytest.mark.parametrize(
+    "model,mesh,kinds",
+    [
+        ("moe-small", "data=8,expert=8", {(("expert",), "all-to-all")}),
+        (
+            "recsys-large",
+            "fsdp=8,tensor=8",
+            {(("fsdp", "tensor"), "reduce-scatter"), (("fsdp", "tensor"), "all-gather")},
+        ),
+    ],
+)
+def test_weights_used_in_place_are_never_gathered(model, mesh, kinds):
+    """Expert weights (split over `expert`, as their activations are) and row-split tables (looked up where they
+    are) get no FSDP gather and no gradient reduce-scatter: the tokens move by all-to-all, the rows found are
+    reduce-scattered and their gradients gathered back. The all-to-all of moe-small: 4 per layer of one device's
+    tokens sorted by expert, (E, G, C, D) = (8, 64 / 64, 320, 768) in bf16, 7/8 of them sent."""
+    cfg = _cfg(
+        model, ["batch_size=64" if model.startswith("moe") else "batch_size=8192", "seq_len=1024", f"mesh={mesh}"]
+    )
+    est = estimate(cfg, chip("h100"), 64)
+    found = {(t.axes, t.kind) for t in est.transfers}
+    assert kinds <= found
+    assert not any(
+        t.what == "weights (FSDP)" or t.kind == "reduce-scatter" and t.what == "gradients" for t in est.transfers
+    )
+    if model.startswith("moe"):
+        (to_all,) = [t for t in est.transfers if t.kind == "all-to-all"]
+        m = cfg.model
+        assert to_all.bytes == pytest.approx(4 * m.n_layers * m.n_experts * m.capacity(1024) * m.d_model * 2 * 7 / 8)
+
+
+def test_resnet_plans_from_its_config_and_counts_convolutions():
+    """resnet-50 plans at 224x224x3 without any data file, and the traced FLOPs are the model's 6 x MACs per image
+    (25.6M params, 4.1G MACs) within 20%: the backward of a strided convolution multiplies zeros XLA skips too."""
+    cfg = _cfg("resnet-50", ["batch_size=1024", "mesh=data=64"])
+    est = estimate(cfg, chip("v5e"), 64)
+    assert cfg.model.forward_macs() == pytest.approx(4.1e9, rel=0.02)
+    assert est.flops == pytest.approx(est.model_flops, rel=0.20)
+    assert est.memory.batch == pytest.approx(1024 / 64 * (224 * 224 * 3 + 1) * 4, rel=1e-6)
+    assert est.fits and 0 < est.mfu[1] <= est.mfu[0] <= 1
 
 
 def test_flops_and_state_match_the_model_formulas():

@@ -65,6 +65,9 @@ def test_quickstart_runs_and_reruns(kernel_env):
         # data=8 sends only the gradient's ring all-reduce: 2(N-1)/N = 1.75x its bytes from each device.
         assert replicated["sent_bytes_per_step"] == pytest.approx(1.75 * 4 * GPT_TINY_PARAMS, rel=0.01)
         assert "restored params equal the first run's final params: True" in stdout(tagged(nb, "checkpoint")[1])
+        big = stdout(tagged(nb, "plan-big")[1])  # gpt-1b on 64 H100s: too big as asked, and what would fit
+        assert "verdict: does not fit" in big and "changes that fit" in big
+        assert "check: compiled the train step on 8 cpu devices" in stdout(tagged(nb, "plan-check")[1])
 
         # Re-running cells: the device setup again, then the second mesh's training, which gives the same losses.
         losses = 'import json; print(json.dumps([r["loss"] for r in b["history"]]))'

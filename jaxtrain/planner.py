@@ -856,7 +856,8 @@ def _accumulations(cfg: RunConfig, layout: MeshLayout, devices: int) -> Iterator
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.2f} ms"
+    """Milliseconds, or microseconds below one (a small model's step would read 0.00 ms)."""
+    return f"{seconds * 1e3:,.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:,.2f} us"
 
 
 def _ratio(estimate: float, measured: float | None) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,8 +114,7 @@ class Checkpoints:
 
     def _failed(self, step: int | None, err: Exception) -> CheckpointWriteError:
         """The error for a failed save of `step`, after removing what it wrote (on a full disk, space matters)."""
-        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-            shutil.rmtree(partial, ignore_errors=True)
+        self._remove_partial(step)
         steps = self.steps()
         intact = (
             f"the newest complete checkpoint, {self.directory / str(steps[-1])}, is intact"
@@ -125,6 +125,19 @@ class Checkpoints:
         return CheckpointWriteError(
             f"saving checkpoint {self.directory / str(step)} failed ({type(err).__name__}: {cause}); {intact}.", step
         )
+
+    def _remove_partial(self, step: int | None, settle_s: float = 5.0) -> None:
+        """Remove the temporary directory of a failed save. The error surfaces from one of Orbax's writer threads
+        while another may still be writing into it (seen in tests: a directory reappearing after removal), so remove
+        until it stays gone for a moment, or `settle_s` has passed."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            partials = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+            for partial in partials:
+                shutil.rmtree(partial, ignore_errors=True)
+            time.sleep(0.2)
+            if not partials and not any(self.directory.glob(f"{step}.orbax-checkpoint-tmp*")):
+                return
 
     def close(self) -> None:
         self.manager.close()

@@ -56,7 +56,7 @@ def test_activation_rule_mistakes_are_ours_at_trace_time():
 
 def test_ring_over_batch_axes_listed_out_of_mesh_order():
     # The batch rule lists fsdp before data; ppermute over several axes needs mesh order (JAX raised before).
-    batch = ["rules.params.embed=", "rules.activations.batch=fsdp,data"]
+    batch = ["rules.params.embed=", "rules.activations.batch=fsdp,data", "data.source=synthetic"]
     loss, grads = gradients(make_run("data=2,fsdp=4", [*batch, "grad_sync=ring"], model="mlp"))
     ref_loss, ref_grads = gradients(make_run("data=2,fsdp=4", batch, model="mlp"))
     assert loss == pytest.approx(ref_loss, rel=1e-6)

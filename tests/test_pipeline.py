@@ -30,13 +30,24 @@ def check_matches(run, reference):
     assert_gradients_close(grads, ref_grads, rtol=1e-5)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-# M = 1, P, 2P microbatches (per_stage 0, 1, 2). The default suite runs M = 1 and P on 2 stages and M = P on 4;
-# the rest are the same programs with other tick counts.
-@pytest.mark.parametrize(
-    "stages,per_stage",
-    [(2, 0), (2, 1), (4, 1), *(pytest.param(p, m, marks=pytest.mark.slow) for p, m in [(4, 0), (2, 2), (4, 2)])],
-)
+def schedule_cases() -> list:
+    """(schedule, stages P, microbatches per stage: M = 1, P or 2P). The default suite runs every schedule with
+    M = 1 and M = P on 2 stages, and the interleaved one (the most intricate table) with M = P on 4; the rest are the
+    same programs with other tick counts, run with the slow tests."""
+    default = {(2, 0), (2, 1)}
+    return [
+        pytest.param(
+            schedule,
+            p,
+            m,
+            marks=() if (p, m) in default or (schedule, p, m) == ("interleaved", 4, 1) else pytest.mark.slow,
+        )
+        for schedule in SCHEDULES
+        for p, m in [(2, 0), (2, 1), (4, 1), (4, 0), (2, 2), (4, 2)]
+    ]
+
+
+@pytest.mark.parametrize("schedule,stages,per_stage", schedule_cases())
 def test_schedule_matches_single_device(schedule, stages, per_stage, reference):
     microbatches = max(1, per_stage * stages)
     if schedule == "interleaved" and microbatches % stages:
@@ -58,7 +69,8 @@ def test_stash_of_inputs_recomputes_the_same_gradients(reference):
     check_matches(make_run("pipeline=2,data=2,tensor=2", overrides), reference)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+# Accumulation wraps whatever the schedule computes: one schedule by default, the others with the slow tests.
+@pytest.mark.parametrize("schedule", [s if s == "1f1b" else pytest.param(s, marks=pytest.mark.slow) for s in SCHEDULES])
 def test_training_with_gradient_accumulation_matches_single_device(schedule):
     """Five optimizer steps: accumulation over 2 pieces of 2 x 4 microbatches each must not rescale anything."""
     reference = losses(make_run("single", MODEL, devices=1))

@@ -125,6 +125,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     assert steps[-(40 - saved[0]) :] == list(range(saved[0] + 1, 41))  # picked up right after the saved step
 
 
+@pytest.mark.slow  # resume onto another mesh and a pipeline stays in the default suite
 def test_padded_pipeline_layout_saves_and_restores_in_model_order(tmp_path):
     """3 layers on 2 stages are stored padded to (2, 2) rows in stage order; checkpoints hold model order both ways:
     a data-parallel checkpoint resumes under the pipeline, and the pipeline's own checkpoint restores data-parallel."""

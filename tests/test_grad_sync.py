@@ -33,10 +33,14 @@ def relative_error(got, want):
 
 SYNCS = [
     ("data=8", ["grad_sync=ring"]),
-    ("data=8", ["grad_sync=ring", "grad_bucket_mb=0.05"]),
+    pytest.param(
+        "data=8", ["grad_sync=ring", "grad_bucket_mb=0.05"], marks=pytest.mark.slow, id="data=8-ring-small-buckets"
+    ),
     ("replica=2,data=4", ["grad_sync=hierarchical"]),
     ("data=8", ["grad_sync=parameter_server"]),
-    ("data=8", ["grad_sync=parameter_server", "ps_servers=2"]),
+    pytest.param(
+        "data=8", ["grad_sync=parameter_server", "ps_servers=2"], marks=pytest.mark.slow, id="data=8-two-servers"
+    ),
 ]
 
 

@@ -105,6 +105,7 @@ def test_stages_pass_activations_and_never_gather_other_stages_weights():
     assert not [s for s in gathers if s in stacked]  # no stage ever holds all layers' weights
 
 
+@pytest.mark.slow
 def test_uneven_costs_are_balanced_and_still_exact():
     """A head as costly as ~2.5 layers: equal layer counts leave the last stage 1.5x the mean; balancing by
     estimated FLOPs gives it fewer layers (padded storage), and the result is still the 1-device one."""

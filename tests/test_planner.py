@@ -40,7 +40,7 @@ def _cfg(model: str, overrides: list[str]):
         # Row-split tables never gathered: the rows found are reduce-scattered over the devices that split them.
         ("recsys", "data=2,tensor=4", ["batch_size=32", "vocab_size=512"]),
         # Convolutions split over data and tensor, the head tensor-parallel: conv FLOPs, synthetic 32x32 images.
-        ("resnet-cifar", "data=4,tensor=2", ["batch_size=16"]),
+        pytest.param("resnet-cifar", "data=4,tensor=2", ["batch_size=16"], marks=pytest.mark.slow),
     ],
 )
 def test_estimate_agrees_with_compiled_step(model, mesh, extra):

@@ -36,7 +36,7 @@ def test_gradients_match_single_device(mesh, devices):
     assert_gradients_close(sharded, reference)
 
 
-@pytest.mark.parametrize("mesh", ["single", "data=8", "data=2,fsdp=2,tensor=2"])
+@pytest.mark.parametrize("mesh", ["single", pytest.param("data=8", marks=pytest.mark.slow), "data=2,fsdp=2,tensor=2"])
 def test_gradient_accumulation_equals_one_batch(mesh):
     devices = 1 if mesh == "single" else 8
     whole = losses(make_run(mesh, ["batch_size=32"], devices=devices))

@@ -62,6 +62,7 @@ def test_local_steps_communicate_across_replicas_only_to_average():
     assert report.measured(("data",)) > 0  # gradients are still averaged inside each replica, every step
 
 
+@pytest.mark.slow
 def test_diloco_with_a_plain_outer_step_is_local_sgd():
     fedavg = train(make_run("replica=8", ["sync=local_sgd", "sync_every=2"]), steps=4)
     plain = train(make_run("replica=8", ["sync=diloco", "sync_every=2", "outer_lr=1", "outer_momentum=0"]), steps=4)

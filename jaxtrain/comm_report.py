@@ -24,7 +24,7 @@ from jaxtrain.plan import fmt_bytes, format_table
 
 # Fraction of B (all-reduce, all-to-all) or of the result (all-gather, reduce-scatter) each member of an N-device
 # group sends.
-_SHARE: dict[str, Callable[[int], float]] = {
+SEND_SHARE: dict[str, Callable[[int], float]] = {
     "all-reduce": lambda n: 2 * (n - 1) / n,
     "all-gather": lambda n: (n - 1) / n,
     "reduce-scatter": lambda n: n - 1,
@@ -137,7 +137,7 @@ def sent_per_device(collective: Collective, devices: int) -> np.ndarray:
     for source, _ in collective.pairs:
         sent[source] += collective.bytes
     for group in collective.groups:
-        sent[list(group)] += collective.bytes * _SHARE[collective.kind](len(group))
+        sent[list(group)] += collective.bytes * SEND_SHARE[collective.kind](len(group))
     return sent
 
 

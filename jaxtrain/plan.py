@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtrain.constraints import activation_sharding
 from jaxtrain.errors import UserInputError
 from jaxtrain.pipeline import StageLayout
-from jaxtrain.rules import ShardingRules, is_layer_stack, is_logical_names, logical_to_spec
+from jaxtrain.rules import ShardingRules, is_layer_stack, is_logical_names, logical_to_spec, spec_axes
 from jaxtrain.updates import UpdatePolicy
 
 PyTree = Any
@@ -106,7 +106,7 @@ class Plan:
     def param_axes(self) -> tuple[str, ...]:
         """The mesh axes that shard some parameter, in mesh order."""
         specs = jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        used = {a for spec in specs for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+        used = set().union(*map(spec_axes, specs))
         return tuple(a for a in self.mesh.axis_names if a in used)
 
     def is_pure_data_parallel(self) -> bool:

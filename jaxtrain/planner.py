@@ -53,13 +53,14 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in
 from jax.sharding import PartitionSpec
 
 from jaxtrain.chips import CHIPS, Chip, ChipError, chip, chip_for_device_kind
+from jaxtrain.comm_report import SEND_SHARE, communication_report
 from jaxtrain.config import RunConfig, apply_overrides
 from jaxtrain.constraints import activation_sharding
 from jaxtrain.data import make_dataset, model_data_args
 from jaxtrain.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
 from jaxtrain.optim import make_optimizer
 from jaxtrain.plan import Plan, device_bytes, fmt_bytes, format_table, make_plan, split_model, tree_device_bytes
-from jaxtrain.rules import ShardingRules, is_layer_stack, is_logical_names
+from jaxtrain.rules import ShardingRules, is_layer_stack, is_logical_names, spec_axes
 from jaxtrain.updates import UpdatePolicy
 from models import resolve_model
 
@@ -316,7 +317,6 @@ def fits_with(est: Estimate, limit: int = 4) -> list[tuple[str, Estimate]]:
 
 def measure(cfg: RunConfig, devices: Sequence[jax.Device]) -> Measured:
     """Compile the real train step of `cfg` on `devices` and read its memory and communication."""
-    from jaxtrain.comm_report import communication_report
     from jaxtrain.run import build
 
     run = build(cfg, log=lambda *_: None, devices=devices)
@@ -599,12 +599,10 @@ class _StepTrace:
                     - {"pipeline"}
                 )
                 for axis in combined:
-                    b = trips * _all_reduce(shares.mesh_shape[axis]) * shares.bytes(out.aval, flow.of(out))
+                    b = trips * SEND_SHARE["all-reduce"](shares.mesh_shape[axis]) * shares.bytes(out.aval, flow.of(out))
                     self._transfers.append(Transfer((axis,), "all-reduce", b, "activations (split dims)"))
         for axes, b in lookups.values():  # rows looked up and never laid out again: summed where they are
-            self._transfers.append(
-                Transfer(axes, "all-reduce", _all_reduce(_ways(axes, shares.mesh_shape)) * b, "looked-up rows")
-            )
+            self._transfers.extend(_lookup_sums(axes, b, None, shares.mesh_shape))
         self.flops *= self.accum
         self.matmul_bytes *= self.accum
 
@@ -682,7 +680,7 @@ def _lookup_sums(axes: tuple[str, ...], b: float, after: Spec | None, mesh_shape
             Transfer(axes, "reduce-scatter", (n - 1) / n * b, "looked-up rows"),
             Transfer(axes, "all-gather", (n - 1) / n * b, "looked-up rows' gradients"),
         ]
-    return [Transfer(axes, "all-reduce", _all_reduce(n) * b, "looked-up rows")]
+    return [Transfer(axes, "all-reduce", SEND_SHARE["all-reduce"](n) * b, "looked-up rows")]
 
 
 def _reshards(aval: Any, before: Spec | None, after: Spec | None, trips: int, shares: _Shares) -> list[Transfer]:
@@ -732,11 +730,6 @@ def _body(eqn: Any) -> Jaxpr:
     return body.jaxpr if isinstance(body, ClosedJaxpr) else body
 
 
-def _all_reduce(n: int) -> float:
-    """Share of an array each of `n` devices sends in a bandwidth-optimal (ring) all-reduce."""
-    return 2 * (n - 1) / n
-
-
 def _logical_sizes(plan: Plan) -> dict[str, int]:
     """Size of each logical dim name, from the params that use it."""
     names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
@@ -749,10 +742,6 @@ def _prime_above(n: int) -> int:
     while any(n % k == 0 for k in range(2, math.isqrt(n) + 1)):
         n += 1
     return n
-
-
-def _param_axes(x: jax.ShapeDtypeStruct) -> set[str]:
-    return {a for e in x.sharding.spec if e for a in ((e,) if isinstance(e, str) else e)}
 
 
 def _weight_axes(plan: Plan, used: Mapping[int, set[str]]) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
@@ -772,8 +761,8 @@ def _weight_axes(plan: Plan, used: Mapping[int, set[str]]) -> list[tuple[tuple[s
         spec = _spec_entries(p.sharding.spec, len(p.shape))
         in_place = {a for n, d in zip(ns, spec) for a in d if n and a in plan.rules.activations.get(n, ())}
         live = [a for a in MESH_AXES if mesh.shape[a] > 1]
-        gathered = tuple(a for a in live if a in _param_axes(p) and a in over and a not in in_place)
-        reduced = tuple(a for a in live if a in over and a not in _param_axes(p))
+        gathered = tuple(a for a in live if a in spec_axes(p.sharding.spec) and a in over and a not in in_place)
+        reduced = tuple(a for a in live if a in over and a not in spec_axes(p.sharding.spec))
         out.append((gathered, reduced))
     return out
 
@@ -792,7 +781,7 @@ def _weight_transfers(plan: Plan, accum: int, used: Mapping[int, set[str]]) -> l
             out.append(Transfer(gathered, "reduce-scatter", (n - 1) * shard, "gradients"))
         if reduced:
             n = math.prod(mesh.shape[a] for a in reduced)
-            out.append(Transfer(reduced, "all-reduce", _all_reduce(n) * shard, "gradients"))
+            out.append(Transfer(reduced, "all-reduce", SEND_SHARE["all-reduce"](n) * shard, "gradients"))
     return out
 
 

@@ -135,6 +135,11 @@ class ShardingRules:
         return tuple(self.activations.get("batch", ()))
 
 
+def spec_axes(spec: PartitionSpec) -> set[str]:
+    """Every mesh axis a PartitionSpec names, over all its dims."""
+    return {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+
+
 def is_logical_names(x: object) -> bool:
     """True for a tuple of dim names (str or None): the leaves of a tree of logical names."""
     return isinstance(x, tuple) and all(isinstance(n, str | None) for n in x)

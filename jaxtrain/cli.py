@@ -41,12 +41,10 @@ FLAG_KEYS = {
     "checkpoint_dir": "train.checkpoint_dir",
     "checkpoint_every": "train.checkpoint_every",
     "restore": "train.restore",
+    "allow_config_change": "train.allow_config_change",
 }
 
 
-# Exit status after a SIGTERM (preemption) once the checkpoint is on disk: 128 + 15, as if killed by the signal,
-# so schedulers that requeue on SIGTERM see what they expect.
-PREEMPTED_EXIT = 143
 # A checkpoint that could not be written (train.checkpoint_failure=stop, or the final save): EX_IOERR from
 # sysexits.h, so a wrapper can tell storage trouble (fix the disk, rerun: it resumes) from bad input (exit 2).
 CHECKPOINT_WRITE_FAILED_EXIT = 74
@@ -97,6 +95,11 @@ def _train_parser(
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (and one at the end)")
     parser.add_argument(
         "--restore", help="start from this checkpoint step directory, or fine-tune from a params export, on any mesh"
+    )
+    parser.add_argument(
+        "--allow-config-change",
+        metavar="KEY,KEY",
+        help="resume in --checkpoint-dir although these config keys differ from the checkpoint's (recorded)",
     )
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     parser.add_argument(
@@ -219,8 +222,10 @@ def train_main(argv: Sequence[str]) -> int:
     except UserInputError as err:
         return _error(err)
     except Preempted as stop:
-        print(f"stopped by SIGTERM after step {stop.step}, checkpoint saved; rerun to resume", file=sys.stderr)
-        return PREEMPTED_EXIT
+        print(
+            f"stopped by {stop.signal_name} after step {stop.step}, checkpoint saved; rerun to resume", file=sys.stderr
+        )
+        return stop.exit_status
     return 0
 
 

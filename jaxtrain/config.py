@@ -82,6 +82,9 @@ class TrainConfig:
     checkpoint_keep: int = 3  # the newest K ...
     checkpoint_keep_every: int = 0  # ... plus every M-th step (0: none)
     restore: str = ""  # start from this checkpoint step directory when checkpoint_dir has none
+    # Comma-separated config keys that may differ from the checkpoint's when resuming in checkpoint_dir (e.g.
+    # "optimizer.learning_rate,train.steps"); the change is recorded in the run's history. Empty: none may.
+    allow_config_change: str = ""
     # A save that fails (disk full, permission denied): stop the run (exit 74, the previous checkpoint intact), or
     # continue, log it, and try again at the next save. The final save must succeed either way.
     checkpoint_failure: str = "stop"

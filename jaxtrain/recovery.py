@@ -28,11 +28,15 @@ if TYPE_CHECKING:
 
 
 class Preempted(Exception):
-    """Training stopped on SIGTERM after saving a checkpoint at `step`."""
+    """Training stopped on a signal (SIGTERM: preemption; SIGINT: Ctrl-C) after saving a checkpoint at `step`.
 
-    def __init__(self, step: int):
-        super().__init__(f"preempted after step {step}")
-        self.step = step
+    `exit_status` is 128 + the signal's number, as if killed by it, so schedulers that requeue on SIGTERM (143) and
+    shells that expect 130 after Ctrl-C see what they expect."""
+
+    def __init__(self, step: int, signum: int = signal.SIGTERM):
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"stopped by {self.signal_name} after step {step}")
+        self.step, self.exit_status = step, 128 + signum
 
 
 class Diverged(UserInputError):

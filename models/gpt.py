@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,28 +25,42 @@ import optax
 from flax import nnx
 
 from jaxtrain.constraints import constrain, scan_layers
+from jaxtrain.errors import COMPUTE_DTYPES, ConfigError, Settings, setting
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256
-    n_layers: int = 4
-    d_model: int = 256
-    n_heads: int = 4
-    d_ff: int = 1024
-    dtype: str = "bfloat16"  # compute dtype; params stay float32
-    remat: str = "none"  # none | full | save_dots: what the backward pass recomputes per block
-    rope_base: float = 10_000.0
+class GPTConfig(Settings):
+    section: ClassVar[str] = "model"
+
+    vocab_size: int = setting(256, "token ids", at_least=1)
+    n_layers: int = setting(4, "transformer blocks", at_least=1)
+    d_model: int = setting(256, "the residual stream's width", at_least=1)
+    n_heads: int = setting(4, "attention heads; they split d_model", at_least=1)
+    d_ff: int = setting(1024, "the MLP's hidden width", at_least=1)
+    dtype: str = setting("bfloat16", "compute dtype; params stay float32", choices=COMPUTE_DTYPES)
+    remat: str = setting("none", "what the backward pass recomputes per block", choices=REMAT_POLICIES)
+    rope_base: float = setting(10_000.0, "rotary positions' base wavelength", above=0)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
     def __post_init__(self):
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}.")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat='{self.remat}' is not one of {sorted(REMAT_POLICIES)}.")
+        super().__post_init__()
+        # Rotary positions turn pairs of a head's channels: each head needs an even number of them.
+        if self.d_model % self.n_heads or self.head_dim % 2:
+            fits = [h for h in range(1, min(self.d_model, 64) + 1) if self.d_model % (2 * h) == 0]
+            fix = f"use n_heads in {', '.join(map(str, fits))}" if fits else "use an even d_model"
+            raise ConfigError(
+                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} into an even number of channels "
+                f"per head (rotary positions turn pairs of channels): with d_model={self.d_model}, {fix}."
+            )
 
     def num_params(self) -> int:
         per_layer = 4 * self.d_model * self.d_model + 2 * self.d_model * self.d_ff + 2 * self.d_model
@@ -70,12 +84,6 @@ PRESETS = {
     "small": lambda: GPTConfig(vocab_size=50304, n_layers=12, d_model=768, n_heads=12, d_ff=3072),
     "medium": lambda: GPTConfig(vocab_size=50304, n_layers=24, d_model=1024, n_heads=16, d_ff=4096),
     "1b": lambda: GPTConfig(vocab_size=50304, n_layers=16, d_model=2048, n_heads=16, d_ff=8192),
-}
-
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -10,15 +11,18 @@ import optax
 from flax import nnx
 
 from jaxtrain.constraints import constrain
+from jaxtrain.errors import COMPUTE_DTYPES, Settings, setting
 
 
 @dataclasses.dataclass(frozen=True)
-class MLPConfig:
-    in_features: int = 64
-    hidden: int = 256
-    n_hidden_layers: int = 2
-    n_classes: int = 10
-    dtype: str = "float32"
+class MLPConfig(Settings):
+    section: ClassVar[str] = "model"
+
+    in_features: int = setting(64, "inputs per example", at_least=1)
+    hidden: int = setting(256, "width of each hidden layer", at_least=1)
+    n_hidden_layers: int = setting(2, "hidden layers", at_least=1)
+    n_classes: int = setting(10, "classes the labels take", at_least=1)
+    dtype: str = setting("float32", "compute dtype; params stay float32", choices=COMPUTE_DTYPES)
 
     def num_params(self) -> int:
         sizes = [self.in_features] + [self.hidden] * self.n_hidden_layers + [self.n_classes]

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.constraints import constrain
+from jaxtrain.errors import ConfigError, setting
 from models.gpt import GPT, Block, GPTConfig, _param, residual_std, rms_norm
 
 
@@ -46,17 +47,23 @@ from models.gpt import GPT, Block, GPTConfig, _param, residual_std, rms_norm
 class MoEConfig(GPTConfig):
     """GPTConfig plus the experts; `d_ff` is each expert's hidden width."""
 
-    n_experts: int = 8
-    top_k: int = 2  # experts per token: 1 (Switch) or 2 (GShard)
-    capacity_factor: float = 1.25  # slots per expert over its fair share; n_experts / top_k never drops a token
-    aux_loss_weight: float = 0.01
+    n_experts: int = setting(8, "expert MLPs per block", at_least=1)
+    top_k: int = setting(2, "experts per token: 1 (Switch) or 2 (GShard)", at_least=1)
+    # Slots per expert over its fair share; n_experts / top_k never drops a token.
+    capacity_factor: float = setting(1.25, "slots per expert over its fair share")
+    aux_loss_weight: float = setting(0.01, "weight of the load-balancing loss", at_least=0)
 
     def __post_init__(self):
         super().__post_init__()
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}.")
+        if self.top_k > self.n_experts:
+            raise ConfigError(
+                f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}: a token cannot go to more "
+                "experts than there are."
+            )
         if self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive.")
+            raise ConfigError(
+                f"capacity_factor={self.capacity_factor} must be positive: each expert needs room for tokens."
+            )
 
     def capacity(self, group_size: int) -> int:
         """Tokens each expert takes from a group of `group_size` tokens (routed `top_k` times each)."""

@@ -24,6 +24,7 @@ reshaping row-split tables gathers them whole.)
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -31,24 +32,21 @@ import optax
 from flax import nnx
 
 from jaxtrain.constraints import constrain
-from jaxtrain.errors import UserInputError
+from jaxtrain.errors import COMPUTE_DTYPES, Settings, UserInputError, setting
 
 
 @dataclasses.dataclass(frozen=True)
-class RecsysConfig:
-    n_dense: int = 13  # dense features per example
-    n_tables: int = 8  # categorical fields, one embedding table each
-    vocab_size: int = 128  # rows of every table (ids per field)
-    embed_dim: int = 16
-    hidden: int = 64  # width of the MLPs' hidden layers
-    bottom_layers: int = 1  # hidden layers of the bottom MLP, before its projection to embed_dim
-    top_layers: int = 2  # hidden layers of the top MLP, before its click logit
-    dtype: str = "float32"  # compute dtype; params stay float32
+class RecsysConfig(Settings):
+    section: ClassVar[str] = "model"
 
-    def __post_init__(self):
-        for name in ("n_dense", "n_tables", "vocab_size", "embed_dim", "hidden"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+    n_dense: int = setting(13, "dense features per example", at_least=1)
+    n_tables: int = setting(8, "categorical fields, one embedding table each", at_least=1)
+    vocab_size: int = setting(128, "rows of every table (ids per field)", at_least=1)
+    embed_dim: int = setting(16, "width of each embedding", at_least=1)
+    hidden: int = setting(64, "width of the MLPs' hidden layers", at_least=1)
+    bottom_layers: int = setting(1, "hidden layers of the bottom MLP, before its projection to embed_dim", at_least=0)
+    top_layers: int = setting(2, "hidden layers of the top MLP, before its click logit", at_least=0)
+    dtype: str = setting("float32", "compute dtype; params stay float32", choices=COMPUTE_DTYPES)
 
     @property
     def n_pairs(self) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ import optax
 from flax import nnx
 
 from jaxtrain.constraints import constrain
-from jaxtrain.errors import UserInputError
+from jaxtrain.errors import COMPUTE_DTYPES, ConfigError, Settings, UserInputError, setting
 
 BLOCKS = ("basic", "bottleneck")
 STEMS = ("cifar", "imagenet")  # cifar: one 3x3 conv; imagenet: a 7x7 conv with stride 2, then a 3x3 max pool
@@ -95,33 +95,32 @@ def _as_int_tuple(value: object, name: str) -> tuple[int, ...]:
     try:
         result = tuple(int(v) for v in items)  # type: ignore[union-attr]
     except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r}: expected comma-separated integers, e.g. {name}=2,2,2.") from None
+        raise ConfigError(f"model.{name}={value!r}: expected comma-separated integers, e.g. {name}=2,2,2.") from None
     if not result or min(result) < 1:
-        raise ValueError(f"{name}={value!r}: expected one or more positive integers.")
+        raise ConfigError(f"model.{name}={value!r}: expected one or more positive integers, e.g. {name}=2,2,2.")
     return result
 
 
 @dataclasses.dataclass(frozen=True)
-class ResNetConfig:
-    image_size: int = 8  # the data's images: image_size x image_size x channels, flattened
-    channels: int = 1
-    upsample: int = 1  # nearest-neighbour upsampling the model applies first (8x8 digits -> 32x32 with 4)
-    stem: str = "cifar"
-    block: str = "basic"
+class ResNetConfig(Settings):
+    section: ClassVar[str] = "model"
+
+    image_size: int = setting(8, "the data's images: image_size x image_size x channels, flattened", at_least=1)
+    channels: int = setting(1, "colour channels of the images", at_least=1)
+    # Nearest-neighbour upsampling the model applies first (8x8 digits -> 32x32 with 4).
+    upsample: int = setting(1, "upsampling factor applied first", at_least=1)
+    stem: str = setting("cifar", "cifar: one 3x3 conv; imagenet: 7x7 stride 2, then a max pool", choices=STEMS)
+    block: str = setting("basic", "residual block kind", choices=BLOCKS)
     stage_sizes: tuple[int, ...] = (1, 1, 1)  # blocks per stage; every stage after the first halves H and W
-    width: int = 32  # the first stage's width (a bottleneck's inner width); each later stage doubles it
-    n_classes: int = 10
-    dtype: str = "float32"  # compute dtype; params and batch-norm statistics stay float32
+    # The first stage's width (a bottleneck's inner width); each later stage doubles it.
+    width: int = setting(32, "the first stage's width", at_least=1)
+    n_classes: int = setting(10, "classes the labels take", at_least=1)
+    dtype: str = setting("float32", "compute dtype; params, batch-norm statistics stay float32", choices=COMPUTE_DTYPES)
 
     def __post_init__(self):
         # Frozen: set the parsed tuple through object.__setattr__ (a command-line override arrives as a string).
         object.__setattr__(self, "stage_sizes", _as_int_tuple(self.stage_sizes, "stage_sizes"))
-        if self.block not in BLOCKS:
-            raise ValueError(f"block='{self.block}' is not one of {', '.join(BLOCKS)}.")
-        if self.stem not in STEMS:
-            raise ValueError(f"stem='{self.stem}' is not one of {', '.join(STEMS)}.")
-        if min(self.image_size, self.channels, self.upsample, self.width, self.n_classes) < 1:
-            raise ValueError("image_size, channels, upsample, width and n_classes must be positive.")
+        super().__post_init__()
 
     @property
     def widths(self) -> tuple[int, ...]:

@@ -1,8 +1,21 @@
 """Presets and key=value overrides."""
 
+import dataclasses
+
 import pytest
 
-from jaxtrain.config import ConfigError, apply_overrides, default_config, describe_config
+from jaxtrain.config import (
+    ConfigError,
+    DataConfig,
+    OptimizerConfig,
+    TrainConfig,
+    apply_overrides,
+    default_config,
+    describe_config,
+)
+from jaxtrain.errors import accepts_of
+from models import MODELS
+from models.gpt import GPTConfig
 
 
 def test_short_and_dotted_keys():
@@ -19,9 +32,50 @@ def test_unknown_key_lists_close_matches():
         apply_overrides(default_config("gpt"), ["n_layer=3"])
 
 
-def test_wrong_type():
-    with pytest.raises(ConfigError, match=r"n_layers=three: expected a int"):
-        apply_overrides(default_config("gpt"), ["n_layers=three"])
+def test_wrong_type_is_named_once():
+    for value in ("three", "2.5"):
+        with pytest.raises(ConfigError) as err:
+            apply_overrides(default_config("gpt"), [f"n_layers={value}"])
+        assert str(err.value) == f"model.n_layers={value}: expected an integer >= 1 (transformer blocks)."
+
+
+@pytest.mark.parametrize("order", [["n_heads=6", "d_model=48"], ["d_model=48", "n_heads=6"]])
+def test_overrides_of_a_section_are_applied_together(order):
+    cfg = apply_overrides(default_config("gpt-tiny"), order)  # 64 (the preset's d_model) % 6 != 0 on its own
+    assert (cfg.model.n_heads, cfg.model.d_model) == (6, 48)
+    assert apply_overrides(default_config("gpt-tiny"), ["n_heads=3", "n_heads=4"]).model.n_heads == 4  # last wins
+
+
+def test_every_bad_value_of_a_section_is_named():
+    with pytest.raises(ConfigError, match=r"data.batch_size=0: expected an integer >= 1 .*; data.seq_len=-1: "):
+        apply_overrides(default_config("gpt"), ["batch_size=0", "seq_len=-1"])
+
+
+def test_configs_made_in_python_are_checked_too():
+    with pytest.raises(ConfigError, match="optimizer.learning_rate=nan: expected a finite number >= 0"):
+        OptimizerConfig(learning_rate=float("nan"))
+    with pytest.raises(ConfigError, match="model.n_layers=True: expected an integer >= 1"):
+        GPTConfig(n_layers=True)  # a bool is not a count
+    with pytest.raises(ConfigError, match="train.steps=2.0: expected an integer"):
+        dataclasses.replace(TrainConfig(), steps=2.0)
+
+
+def choice_fields():
+    """(config class, field name, its choices) for every field declared with choices, in every section."""
+    classes = {OptimizerConfig, DataConfig, TrainConfig, *(type(default_config(name).model) for name in MODELS)}
+    for cls in sorted(classes, key=lambda c: c.__name__):
+        for field in dataclasses.fields(cls):
+            if accepts_of(field).choices:
+                yield cls, field.name, accepts_of(field).choices
+
+
+@pytest.mark.parametrize("cls,name,choices", list(choice_fields()), ids=lambda x: getattr(x, "__name__", str(x)))
+def test_a_value_outside_the_choices_lists_them(cls, name, choices):
+    with pytest.raises(ConfigError) as err:
+        cls(**{name: "bogus"})
+    assert f"{cls.key(name)}='bogus' is not one of {', '.join(choices)}" in str(err.value)
+    for choice in choices:
+        cls(**{name: choice})
 
 
 def test_model_validation_is_reported():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import math
 import sysconfig
 from pathlib import Path
 from typing import Protocol
@@ -27,13 +28,22 @@ from jax.sharding import NamedSharding
 
 from jaxtrain.clicks import Clicks
 from jaxtrain.errors import UserInputError
+from jaxtrain.files import read_bytes, utf8_text
 
+SOURCES = ("builtin", "synthetic", "digits", "clicks")  # data sources by name; any other source is a file path
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
 BUILTIN_TEXT_BYTES = 2_000_000
 SPLITS = {"train": 0, "val": 1}
 # How labelled training data is split over replicas (see `Digits`). Only uniform suits unlabelled data.
 PARTITIONS = ("uniform", "stratified", "by_label")
+# The digits CSV: 64 pixels of an 8x8 image, values 0..16, then the label.
+DIGIT_PIXELS, DIGIT_MAX_PIXEL, DIGIT_CLASSES = 64, 16, 10
+DIGIT_COLUMNS = DIGIT_PIXELS + 1
+DIGIT_FORMAT = (
+    f"{DIGIT_COLUMNS} comma-separated integers a line: {DIGIT_PIXELS} pixel values 0..{DIGIT_MAX_PIXEL}, "
+    f"then the label 0..{DIGIT_CLASSES - 1}"
+)
 # Tags that give each partition its own random streams, apart from uniform's (seed, epoch).
 _STRATIFIED, _BY_LABEL = 1, 2
 
@@ -90,12 +100,17 @@ class ByteText:
 
     def __init__(self, data: bytes, seq_len: int, seed: int, val_fraction: float = 0.1, name: str = "text"):
         tokens = np.frombuffer(data, dtype=np.uint8)
+        if not len(tokens):
+            raise DataError(f"{name} is empty: a language model needs text to train on.")
         split_at = int(len(tokens) * (1 - val_fraction))
         self.splits = {"train": tokens[:split_at], "val": tokens[split_at:]}
         for split, part in self.splits.items():
-            if len(part) <= seq_len + 1:
+            if len(part) <= seq_len + 1:  # a window is seq_len + 1 bytes, and must have somewhere to start
+                need = math.ceil((seq_len + 2) / min(val_fraction, 1 - val_fraction)) + 1
                 raise DataError(
-                    f"{name}: the {split} split has {len(part)} bytes, fewer than seq_len + 1 = {seq_len + 1}."
+                    f"{name} is too short for data.seq_len={seq_len}: of its {len(tokens)} bytes, the {split} split "
+                    f"(data.val_fraction={val_fraction:g}) has {len(part)}, and a window needs seq_len + 2 = "
+                    f"{seq_len + 2}. Use a shorter seq_len or a file of at least {need} bytes."
                 )
         self.seq_len, self.seed, self.name = seq_len, seed, name
 
@@ -264,16 +279,70 @@ class Digits:
 
 
 def load_digits_csv(path: Path) -> np.ndarray:
-    """The digits table: one row per image, 64 pixel values 0..16 then the label 0..9."""
-    if not Path(path).is_file():
-        raise DataError(
-            f"digits data not found at '{path}'. Pass data.source=/path/to/digits.csv.gz (65 integer columns a row)."
-        )
-    with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
-        table = np.loadtxt(f, delimiter=",", dtype=np.int64)
-    if table.ndim != 2 or table.shape[1] != 65:
-        raise DataError(f"'{path}': expected 65 comma-separated integer columns a row, got shape {table.shape}.")
+    """The digits table: one row per image, 64 pixel values 0..16 then the label 0..9. A file that is not such a
+    table is a DataError naming the file, and the line and column of the first bad value."""
+    lines = _digit_lines(Path(path))
+    try:  # numpy parses; only a file it refuses, or a value out of range, is read again line by line to say where
+        table = np.loadtxt([text for _, text in lines], delimiter=",", dtype=np.int64, comments=None, ndmin=2)
+    except ValueError:
+        table = None
+    if table is None or table.shape[1] != DIGIT_COLUMNS or not _in_digit_ranges(table).all():
+        for number, text in lines:
+            _check_digit_line(path, number, text)
+        raise DataError(f"'{path}': not a digits table ({DIGIT_FORMAT}).")  # each line alone was fine
     return table
+
+
+def _digit_lines(path: Path) -> list[tuple[int, str]]:
+    """The numbered non-blank lines of a digits CSV (gzip if it ends .gz)."""
+    missing = f"digits data not found at '{path}'. Pass data.source=/path/to/digits.csv.gz ({DIGIT_FORMAT})."
+    raw = read_bytes(path, "digits data", DataError, missing)
+    if path.name.endswith(".gz"):
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError; a truncated file, an EOFError
+            raise DataError(
+                f"'{path}' is not a readable gzip file ({err}); decompress it, or rename it without .gz."
+            ) from None
+    text = utf8_text(raw, path, "digits data", DataError)
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise DataError(f"'{path}' is empty: expected {DIGIT_FORMAT}.")
+    return lines
+
+
+def _in_digit_ranges(table: np.ndarray) -> np.ndarray:
+    pixels, labels = table[:, :DIGIT_PIXELS], table[:, DIGIT_PIXELS]
+    pixels_ok = ((pixels >= 0) & (pixels <= DIGIT_MAX_PIXEL)).all(axis=1)
+    return pixels_ok & (labels >= 0) & (labels < DIGIT_CLASSES)
+
+
+def _check_digit_line(path: Path, number: int, text: str) -> None:
+    """Raise a DataError naming the first value of line `number` that a digits table cannot hold."""
+    where = f"'{path}' line {number}"
+    cells = text.split(",")
+    if len(cells) != DIGIT_COLUMNS:
+        raise DataError(f"{where} has {len(cells)} values; expected {DIGIT_FORMAT}.")
+    for column, cell in enumerate(cells, 1):
+        try:
+            value = int(cell)
+        except ValueError:
+            raise DataError(
+                f"{where}, column {column}: {cell.strip()!r} is not an integer; expected {DIGIT_FORMAT}."
+            ) from None
+        if column <= DIGIT_PIXELS and not 0 <= value <= DIGIT_MAX_PIXEL:
+            raise DataError(f"{where}, column {column}: pixel value {value} is outside 0..{DIGIT_MAX_PIXEL}.")
+        if column == DIGIT_COLUMNS and not 0 <= value < DIGIT_CLASSES:
+            raise DataError(f"{where}, column {column}: label {value} is not a digit 0..{DIGIT_CLASSES - 1}.")
+
+
+def read_text_file(path: Path) -> bytes:
+    """The UTF-8 bytes of a text file to train on. A file that is not UTF-8 (a binary, a compressed file) would
+    train a byte-level model on noise without a word: it is refused, naming the first byte that is not."""
+    missing = f"data file '{path}' does not exist. Use a path to a text file, or one of: {', '.join(SOURCES)}."
+    raw = read_bytes(path, "data file", DataError, missing)
+    utf8_text(raw, path, "data file", DataError)
+    return raw
 
 
 def builtin_text() -> bytes:
@@ -329,15 +398,15 @@ def make_dataset(
     elif source == "builtin":
         dataset = ByteText(builtin_text(), seq_len, seed, val_fraction, name="builtin text")
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise DataError(
-                f"data file '{source}' does not exist. "
-                "Use a path to a text file, or one of: builtin, synthetic, digits, clicks."
-            )
-        dataset = ByteText(path.read_bytes(), seq_len, seed, val_fraction, name=str(path))
+        dataset = ByteText(read_text_file(Path(source)), seq_len, seed, val_fraction, name=f"'{source}'")
     if dataset.task != task:
         raise DataError(f"data source '{source}' is for {dataset.task} models, but this model needs {task} data.")
+    if isinstance(dataset, Digits) and (features != DIGIT_PIXELS or classes < DIGIT_CLASSES):
+        raise DataError(
+            f"data source '{source}' holds images of {DIGIT_PIXELS} pixels with labels 0..{DIGIT_CLASSES - 1}, but "
+            f"the model takes {features} features and {classes} classes: use a model with in_features="
+            f"{DIGIT_PIXELS} and n_classes >= {DIGIT_CLASSES} (e.g. --model mlp)."
+        )
     if partition != "uniform" and not isinstance(dataset, Digits):
         raise DataError(
             f"data.partition={partition} splits data by class label, so it needs labelled data (digits); "

@@ -22,6 +22,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxtrain.errors import UserInputError
+from jaxtrain.files import read_bytes, utf8_text
 
 # Slowest links first, fastest last: `tensor` talks every layer, `data` once per step. `replica` is data parallelism
 # across the slowest links (hosts, slices): the batch is split over it as over `data`, but gradient synchronisation can
@@ -56,9 +57,10 @@ class MeshLayout:
                         f"mesh layout '{self.name}': unknown axis name '{axis}' in {label}. "
                         f"Known axes: {', '.join(MESH_AXES)}."
                     )
-                if not isinstance(size, int) or (size < 1 and size != -1):
+                if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
                     raise MeshError(
-                        f"mesh layout '{self.name}': axis '{axis}' has size {size!r}; use a positive int or -1."
+                        f"mesh layout '{self.name}': axis '{axis}' in {label} has size {_toml_value(size)}; use a "
+                        "positive integer, or -1 for the remaining devices."
                     )
         wildcards = [a for a, s in self.axes.items() if s == -1]
         if len(wildcards) > 1:
@@ -105,33 +107,77 @@ def parse_inline(spec: str) -> MeshLayout:
     axes: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, value = item.partition("=")
+        axis = key.strip()
         if not sep:
             raise MeshError(f"inline mesh '{spec}': '{item}' is not axis=size (e.g. data=2,tensor=4).")
+        if axis in axes:
+            raise MeshError(f"inline mesh '{spec}': axis '{axis}' is given twice; give each axis one size.")
         try:
-            axes[key.strip()] = int(value)
+            axes[axis] = int(value)
         except ValueError:
-            raise MeshError(f"inline mesh '{spec}': size of '{key.strip()}' is '{value}', not an integer.") from None
+            raise MeshError(f"inline mesh '{spec}': size of '{axis}' is '{value}', not an integer.") from None
     return MeshLayout(axes=axes, name=spec)
 
 
 def load_layout_file(path: str | Path) -> MeshLayout:
     """Read a TOML mesh layout: `[axes]`, optional `[dcn_axes]` and `[rules]`, and a `description`."""
     path = Path(path)
-    if not path.is_file():
-        raise MeshError(f"mesh layout file '{path}' does not exist.")
-    data = tomllib.loads(path.read_text())
+    data = _read_toml(path)
     unknown = set(data) - {"description", "axes", "dcn_axes", "rules"}
     if unknown:
         raise MeshError(
             f"mesh layout '{path}': unknown keys {sorted(unknown)}; allowed: description, axes, dcn_axes, rules."
         )
-    return MeshLayout(
-        axes=data.get("axes", {}),
-        dcn_axes=data.get("dcn_axes", {}),
-        rules=data.get("rules", {}),
-        name=path.stem,
-        description=data.get("description", ""),
+    for key, kind, example in _LAYOUT_KEYS:
+        if key in data and not isinstance(data[key], kind):
+            raise MeshError(
+                f"mesh layout '{path}': `{key}` is {_toml_type(data[key])} {data[key]!r}, but must be "
+                f"{_toml_type(kind())}, e.g. {example}."
+            )
+    try:
+        return MeshLayout(
+            axes=data.get("axes", {}),
+            dcn_axes=data.get("dcn_axes", {}),
+            rules=data.get("rules", {}),
+            name=path.stem,
+            description=data.get("description", ""),
+        )
+    except MeshError as err:
+        raise MeshError(f"{err} (in {path})") from None
+
+
+# Each key of a layout file, the TOML type it must have, and an example of it.
+_LAYOUT_KEYS = (
+    ("axes", dict, "[axes] then data = 2 and fsdp = -1 on lines of their own"),
+    ("dcn_axes", dict, "[dcn_axes] then replica = 2"),
+    ("rules", dict, '[rules] then embed = "fsdp"'),
+    ("description", str, 'description = "FSDP over all devices"'),
+)
+
+
+def _toml_value(value: object) -> str:
+    """`value` as TOML writes it, with its type where Python would hide it: true (a boolean), "2" (a string)."""
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    return f"{value!r} ({_toml_type(value)})" if not isinstance(value, int) else str(value)
+
+
+def _toml_type(value: object) -> str:
+    return {dict: "a table", str: "a string", bool: "a boolean", int: "an integer", float: "a float"}.get(
+        type(value), f"a {type(value).__name__}"
     )
+
+
+def _read_toml(path: Path) -> dict:
+    """The TOML document at `path`, or a MeshError naming the file and what is wrong with it (missing, a directory,
+    not UTF-8, a syntax error with its line and column)."""
+    shipped = f" The shipped layout of that name is --mesh {path.stem}." if path.stem in available_layouts() else ""
+    missing = f"mesh layout file '{path}' does not exist.{shipped}"
+    text = utf8_text(read_bytes(path, "mesh layout file", MeshError, missing), path, "mesh layout file", MeshError)
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:  # its message ends "(at line L, column C)"
+        raise MeshError(f"mesh layout file '{path}' is not valid TOML: {err}.") from None
 
 
 def available_layouts() -> list[str]:

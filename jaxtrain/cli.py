@@ -7,14 +7,21 @@ jaxtrain plan --model gpt-1b --mesh tpu-v5p-512 --chip v5p --batch-size 512 --se
 jaxtrain meshes                        # the shipped mesh layouts
 jaxtrain inspect runs/x/ckpt           # a checkpoint's steps, arrays, shapes, dtypes and sizes, from metadata alone
 jaxtrain export runs/x/ckpt/400 runs/x-params-400   # the params alone, for evaluation or fine-tuning on any mesh
+
+Exit status: 0 done; 2 bad input (a one-line error saying what to change, as argparse's own); 74 a checkpoint could
+not be written (fix the storage and rerun: it resumes); 128 + N stopped by signal N after saving (143 SIGTERM, 130
+SIGINT); 130 also for Ctrl-C outside training; 1 any other error, printed as one line with its type, `--debug` for
+the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +55,60 @@ FLAG_KEYS = {
 # A checkpoint that could not be written (train.checkpoint_failure=stop, or the final save): EX_IOERR from
 # sysexits.h, so a wrapper can tell storage trouble (fix the disk, rerun: it resumes) from bad input (exit 2).
 CHECKPOINT_WRITE_FAILED_EXIT = 74
+BAD_INPUT_EXIT = 2  # as argparse's own
+UNEXPECTED_ERROR_EXIT = 1  # an error jaxtrain did not foresee: a bug, or bad input it does not check yet
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+def command(run: Callable[[list[str]], int]) -> Callable[[Sequence[str]], int]:
+    """A subcommand that never shows a bare traceback: bad input (`UserInputError`) is one line and exit 2,
+    Ctrl-C is exit 130, and any other exception one line with its type and exit 1. With `--debug` in the arguments
+    every error also prints its traceback."""
+
+    @functools.wraps(run)
+    def guarded(argv: Sequence[str]) -> int:
+        argv = list(argv)
+        debug = "--debug" in argv
+        try:
+            return run(argv)
+        except KeyboardInterrupt:
+            _traceback(debug)
+            print("interrupted", file=sys.stderr)
+            return INTERRUPTED_EXIT
+        except UserInputError as err:
+            _traceback(debug)
+            return _error(err)
+        except Exception as err:  # noqa: BLE001 - the last resort: whatever it is, one line, not a traceback
+            _traceback(debug)
+            lines = str(err).strip().splitlines() or [""]
+            text = f"{type(err).__name__}: {lines[0]}{' ...' if len(lines) > 1 else ''}"
+            return _error(text + ("" if debug else " (rerun with --debug for the traceback)"), UNEXPECTED_ERROR_EXIT)
+
+    return guarded
+
+
+def _traceback(debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got '{text}'")
+        return value
+
+    return parse
+
+
+def _debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
 
 
 def _train_parser(
@@ -68,7 +129,7 @@ def _train_parser(
     )
     parser.add_argument(
         "--simulated-devices",
-        type=int,
+        type=_count(1),
         default=None,
         help="run on N simulated CPU devices (sets up the CPU backend before JAX starts)",
     )
@@ -107,17 +168,22 @@ def _train_parser(
     )
     procs = parser.add_argument_group("several processes (default: one; also JAXTRAIN_COORDINATOR etc.)")
     procs.add_argument("--coordinator", help="host:port of process 0, which every process of the job contacts")
-    procs.add_argument("--num-processes", type=int, help="processes in the job")
-    procs.add_argument("--process-id", type=int, help="this process's id, 0 .. num-processes - 1")
-    procs.add_argument("--coordinator-bind", help="where process 0 listens (default: the coordinator's host only)")
-    procs.add_argument("--init-timeout", type=int, help="seconds to wait for every process to join (default 300)")
+    procs.add_argument("--num-processes", type=_count(1), help="processes in the job")
+    procs.add_argument("--process-id", type=_count(0), help="this process's id, 0 .. num-processes - 1")
     procs.add_argument(
-        "--heartbeat-timeout", type=int, help="seconds of silence after which a process is declared dead (100)"
+        "--coordinator-bind",
+        metavar="HOST:PORT",
+        help="where process 0 listens (default: the coordinator address, given or detected: its host only)",
+    )
+    procs.add_argument("--init-timeout", type=_count(1), help="seconds to wait for every process to join (default 300)")
+    procs.add_argument(
+        "--heartbeat-timeout", type=_count(1), help="seconds of silence after which a process is declared dead (100)"
     )
     procs.add_argument("--auto-cluster", action="store_true", help="let JAX detect TPU pod / SLURM / Open MPI")
     for part in ("cert", "key", "ca"):  # JAX's mutual TLS between the processes of the job
         procs.add_argument(f"--mtls-{part}", metavar="FILE", help=f"mutual TLS between processes: the {part} file")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    _debug_flag(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser
 
@@ -159,32 +225,24 @@ def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argpars
     """Parse train's flags from `argv` and set JAX up for them (simulated devices, compilation cache), before
     anything imports code that could start a backend."""
     args = parser.parse_args(argv)
-    if args.simulated_devices:
-        try:
-            use_simulated_devices(args.simulated_devices)
-        except DeviceSetupError as err:
-            raise SystemExit(_error(err)) from None
+    if args.simulated_devices is not None:
+        use_simulated_devices(args.simulated_devices)
     enable_compilation_cache()
-    from jaxtrain.distributed import DistributedError, from_environment, initialize
+    from jaxtrain.distributed import from_environment, initialize
 
-    try:
-        initialize(
-            from_environment(
-                coordinator=args.coordinator,
-                num_processes=args.num_processes,
-                process_id=args.process_id,
-                bind_address=args.coordinator_bind,
-                init_timeout_s=args.init_timeout,
-                heartbeat_timeout_s=args.heartbeat_timeout,
-                auto=args.auto_cluster or None,
-                mtls={
-                    f"{p}_file": getattr(args, f"mtls_{p}") for p in ("cert", "key", "ca") if getattr(args, f"mtls_{p}")
-                }
-                or None,
-            )
+    initialize(
+        from_environment(
+            coordinator=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            bind_address=args.coordinator_bind,
+            init_timeout_s=args.init_timeout,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            auto=args.auto_cluster or None,
+            mtls={f"{p}_file": getattr(args, f"mtls_{p}") for p in ("cert", "key", "ca") if getattr(args, f"mtls_{p}")}
+            or None,
         )
-    except DistributedError as err:
-        raise SystemExit(_error(err)) from None
+    )
     return args
 
 
@@ -207,6 +265,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig | None:
     return cfg
 
 
+@command
 def train_main(argv: Sequence[str]) -> int:
     args = _train_args(argv, _train_parser())
     from jaxtrain.checkpoint import CheckpointWriteError
@@ -219,8 +278,6 @@ def train_main(argv: Sequence[str]) -> int:
             train(cfg)
     except CheckpointWriteError as err:
         return _error(err, CHECKPOINT_WRITE_FAILED_EXIT)
-    except UserInputError as err:
-        return _error(err)
     except Preempted as stop:
         print(
             f"stopped by {stop.signal_name} after step {stop.step}, checkpoint saved; rerun to resume", file=sys.stderr
@@ -229,6 +286,7 @@ def train_main(argv: Sequence[str]) -> int:
     return 0
 
 
+@command
 def comm_main(argv: Sequence[str]) -> int:
     """Build the run `jaxtrain train` would, compile its step, and print the bytes each device sends per step
     (per mesh axis and collective kind) without training."""
@@ -240,15 +298,13 @@ def comm_main(argv: Sequence[str]) -> int:
     args = _train_args(argv, parser)
     from jaxtrain.run import build, communication
 
-    try:
-        cfg = _run_config(args)
-        if cfg is not None:
-            print(communication(build(cfg)))
-    except UserInputError as err:
-        return _error(err)
+    cfg = _run_config(args)
+    if cfg is not None:
+        print(communication(build(cfg)))
     return 0
 
 
+@command
 def plan_main(argv: Sequence[str]) -> int:
     """Estimate a run's per-device memory, collectives and step time on a chip and mesh of any size, without its
     devices; with enough (simulated) devices, compile the step and print its figures beside the estimates."""
@@ -261,21 +317,24 @@ def plan_main(argv: Sequence[str]) -> int:
         "`jaxtrain train`.",
     )
     parser.add_argument("--chip", help="v4, v5e, v5p, v6e, h100, h200, a100 (default: this machine's accelerator)")
-    parser.add_argument("--devices", type=int, help="chips in the mesh (default: the layout's size, or this machine's)")
+    parser.add_argument(
+        "--devices", type=_count(1), help="chips in the mesh (default: the layout's size, or this machine's)"
+    )
     parser.add_argument("--no-check", action="store_true", help="do not compile the step, even with enough devices")
     args = _train_args(argv, parser)
     from jaxtrain.planner import plan_report
 
-    try:
-        cfg = _run_config(args)
-        if cfg is not None:
-            print(plan_report(cfg, args.chip, args.devices, check=not args.no_check))
-    except UserInputError as err:
-        return _error(err)
+    cfg = _run_config(args)
+    if cfg is not None:
+        print(plan_report(cfg, args.chip, args.devices, check=not args.no_check))
     return 0
 
 
+@command
 def meshes_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="jaxtrain meshes", description="List the mesh layouts shipped in meshes/.")
+    _debug_flag(parser)
+    parser.parse_args(argv)
     from jaxtrain.mesh import available_layouts, parse_layout
 
     for name in available_layouts():
@@ -286,6 +345,7 @@ def meshes_main(argv: Sequence[str]) -> int:
     return 0
 
 
+@command
 def inspect_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="jaxtrain inspect",
@@ -293,17 +353,16 @@ def inspect_main(argv: Sequence[str]) -> int:
         "then every array (shape, dtype, bytes) with totals, the step, the model and the mesh.",
     )
     parser.add_argument("path", help="a run directory (--checkpoint-dir), one of its step directories, or an export")
+    _debug_flag(parser)
     args = parser.parse_args(argv)
     _host_only()
     from jaxtrain.checkpoint import describe_checkpoint
 
-    try:
-        print(describe_checkpoint(args.path))
-    except UserInputError as err:
-        return _error(err)
+    print(describe_checkpoint(args.path))
     return 0
 
 
+@command
 def export_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="jaxtrain export",
@@ -312,14 +371,12 @@ def export_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("step_dir", help="a step directory of a training run, e.g. runs/x/ckpt/400")
     parser.add_argument("out_dir", help="where to write the export (must not exist)")
+    _debug_flag(parser)
     args = parser.parse_args(argv)
     _host_only()
     from jaxtrain.checkpoint import export_params
 
-    try:
-        out = export_params(args.step_dir, args.out_dir)
-    except UserInputError as err:
-        return _error(err)
+    out = export_params(args.step_dir, args.out_dir)
     print(f"wrote the params of {args.step_dir} to {out} (see: jaxtrain inspect {out})")
     return 0
 
@@ -332,7 +389,7 @@ def _host_only() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-def _error(err: Exception, status: int = 2) -> int:
+def _error(err: Exception | str, status: int = BAD_INPUT_EXIT) -> int:
     """Report an error without a traceback; by default exit status 2 (bad input), like argparse."""
     print(f"error: {err}", file=sys.stderr)
     return status

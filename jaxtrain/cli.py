@@ -23,9 +23,9 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from jaxtrain.errors import UserInputError  # imports no JAX
+from jaxtrain.errors import Accepts, UserInputError  # imports no JAX
 
 if TYPE_CHECKING:  # jaxtrain modules are imported lazily here: JAX must see --simulated-devices before it starts
     from jaxtrain.config import RunConfig
@@ -92,16 +92,18 @@ def _traceback(debug: bool) -> None:
         traceback.print_exc()
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `minimum`."""
+def flag_type(kind: type = int, **bounds: float) -> Callable[[str], Any]:
+    """An argparse type: a `kind` within `bounds` (`at_least`, `above`, `at_most`, `below`, as config fields take
+    them), else argparse's usage error saying what was expected, e.g. `flag_type(at_least=1)`."""
+    accepts = Accepts(**bounds)
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
             value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got '{text}'")
+        if value is None or not accepts.accepts(value, kind):
+            raise argparse.ArgumentTypeError(f"expected {accepts.expected(kind)}, got '{text}'")
         return value
 
     return parse
@@ -129,7 +131,7 @@ def _train_parser(
     )
     parser.add_argument(
         "--simulated-devices",
-        type=_count(1),
+        type=flag_type(at_least=1),
         default=None,
         help="run on N simulated CPU devices (sets up the CPU backend before JAX starts)",
     )
@@ -168,16 +170,20 @@ def _train_parser(
     )
     procs = parser.add_argument_group("several processes (default: one; also JAXTRAIN_COORDINATOR etc.)")
     procs.add_argument("--coordinator", help="host:port of process 0, which every process of the job contacts")
-    procs.add_argument("--num-processes", type=_count(1), help="processes in the job")
-    procs.add_argument("--process-id", type=_count(0), help="this process's id, 0 .. num-processes - 1")
+    procs.add_argument("--num-processes", type=flag_type(at_least=1), help="processes in the job")
+    procs.add_argument("--process-id", type=flag_type(at_least=0), help="this process's id, 0 .. num-processes - 1")
     procs.add_argument(
         "--coordinator-bind",
         metavar="HOST:PORT",
         help="where process 0 listens (default: the coordinator address, given or detected: its host only)",
     )
-    procs.add_argument("--init-timeout", type=_count(1), help="seconds to wait for every process to join (default 300)")
     procs.add_argument(
-        "--heartbeat-timeout", type=_count(1), help="seconds of silence after which a process is declared dead (100)"
+        "--init-timeout", type=flag_type(at_least=1), help="seconds to wait for every process to join (default 300)"
+    )
+    procs.add_argument(
+        "--heartbeat-timeout",
+        type=flag_type(at_least=1),
+        help="seconds of silence after which a process is declared dead (100)",
     )
     procs.add_argument("--auto-cluster", action="store_true", help="let JAX detect TPU pod / SLURM / Open MPI")
     for part in ("cert", "key", "ca"):  # JAX's mutual TLS between the processes of the job
@@ -318,7 +324,9 @@ def plan_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--chip", help="v4, v5e, v5p, v6e, h100, h200, a100 (default: this machine's accelerator)")
     parser.add_argument(
-        "--devices", type=_count(1), help="chips in the mesh (default: the layout's size, or this machine's)"
+        "--devices",
+        type=flag_type(at_least=1),
+        help="chips in the mesh (default: the layout's size, or this machine's)",
     )
     parser.add_argument("--no-check", action="store_true", help="do not compile the step, even with enough devices")
     args = _train_args(argv, parser)

@@ -20,6 +20,10 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from jaxtrain.cli import flag_type  # noqa: E402  (imports no JAX)
+
 TRAIN = Path(__file__).resolve().parent / "train.py"
 
 
@@ -74,9 +78,11 @@ def launch(processes: int, devices: int, train_args: list[str], grace: float = 6
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--processes", type=int, required=True)
-    parser.add_argument("--devices-per-process", type=int, required=True)
-    parser.add_argument("--grace", type=float, default=60.0, help="seconds the others get after a process fails")
+    parser.add_argument("--processes", type=flag_type(at_least=1), required=True)
+    parser.add_argument("--devices-per-process", type=flag_type(at_least=1), required=True)
+    parser.add_argument(
+        "--grace", type=flag_type(float, at_least=0), default=60.0, help="seconds the others get after a process fails"
+    )
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then scripts/train.py's arguments")
     args = parser.parse_args()
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args

@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from jaxtrain.cli import flag_type  # noqa: E402  (imports no JAX)
 
 
 def directive_value(text: str) -> str:
@@ -95,12 +98,17 @@ def submit(script: str, path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, required=True)
+    parser.add_argument("--nodes", type=flag_type(at_least=1), required=True)
+    parser.add_argument("--gpus-per-node", type=flag_type(at_least=1), required=True)
     parser.add_argument("--partition", type=directive_value)
     parser.add_argument("--time", type=directive_value, help="time limit, HH:MM:SS")
     parser.add_argument("--job-name", type=directive_value, default="jaxtrain")
-    parser.add_argument("--port", type=int, default=8476, help="the coordinator's port on the first node")
+    parser.add_argument(
+        "--port",
+        type=flag_type(at_least=1, at_most=65535),
+        default=8476,
+        help="the coordinator's port on the first node",
+    )
     parser.add_argument("--repo-dir", default=str(ROOT), help="the checkout on the nodes (default: this one)")
     parser.add_argument("--python", default="python", help="interpreter on the nodes (default: python on PATH)")
     parser.add_argument("--output", type=Path, help="where to write the script (default: JOB_NAME.sbatch)")

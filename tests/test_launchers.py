@@ -191,3 +191,24 @@ def test_slurm_without_sbatch_says_so_and_keeps_the_script(tmp_path: Path) -> No
 def test_slurm_refuses_directive_values_with_spaces(flag: str) -> None:
     result = launcher("slurm_train.py", "--nodes", "1", "--gpus-per-node", "8", flag, "a b", "--dry-run")
     assert result.returncode == 2 and "without spaces" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "script,args,message",
+    [
+        ("slurm_train.py", ["--nodes", "0", "--gpus-per-node", "8"], "--nodes: expected an integer >= 1, got '0'"),
+        ("slurm_train.py", ["--nodes", "2", "--gpus-per-node", "-1"], "--gpus-per-node: expected an integer >= 1"),
+        ("slurm_train.py", [*CLUSTER, "--port", "99999"], "--port: expected an integer >= 1 and <= 65535, got '99999'"),
+        (
+            "launch_local.py",
+            ["--processes", "0", "--devices-per-process", "4"],
+            "--processes: expected an integer >= 1",
+        ),
+        ("launch_local.py", ["--processes", "2", "--devices-per-process", "0"], "--devices-per-process: expected an"),
+        ("launch_local.py", ["--processes", "2", "--devices-per-process", "4", "--grace", "nan"], "expected a finite"),
+    ],
+)
+def test_launchers_refuse_counts_they_cannot_run(script: str, args: list[str], message: str) -> None:
+    result = launcher(script, *args, "--dry-run" if script == "slurm_train.py" else "--", "--steps", "1")
+    assert result.returncode == 2 and message in result.stderr
+    assert "Traceback" not in result.stderr and not result.stdout

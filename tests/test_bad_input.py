@@ -98,7 +98,13 @@ CASES = [
     ([*TRAIN, "--coordinator-bind", "everywhere"], "coordinator bind address 'everywhere' is not host:port"),
     ([*TRAIN, "--init-timeout", "0"], "--init-timeout: expected an integer >= 1, got '0'"),
     ([*TRAIN, "--heartbeat-timeout", "-5"], "--heartbeat-timeout: expected an integer >= 1, got '-5'"),
+    ([*TRAIN, "--num-processes", "0"], "--num-processes: expected an integer >= 1, got '0'"),
+    ([*TRAIN, "--coordinator", "10.0.0.5:http", "--num-processes", "2", "--process-id", "1"], "'10.0.0.5:http' is not"),
     (["meshes", "bogus"], "unrecognized arguments: bogus"),
+    # Every command that builds a run checks the same way.
+    (["comm", *TRAIN[1:], "--batch-size", "0"], "data.batch_size=0: expected an integer >= 1"),
+    (["plan", *TRAIN[1:], "--chip", "v5p", "dtype=fp16"], "model.dtype='fp16' is not one of"),
+    (["plan", *TRAIN[1:], "--chip", "v5p", "--devices", "0"], "--devices: expected an integer >= 1, got '0'"),
     # Mesh layouts: the file, and the line and column of a syntax error; tables and sizes of the right type.
     ([*TRAIN, "--mesh", "{d}/syntax.toml"], "syntax.toml' is not valid TOML: Invalid value (at line 3, column 8)"),
     ([*TRAIN, "--mesh", "{d}/axes-int.toml"], "`axes` is an integer 8, but must be a table"),

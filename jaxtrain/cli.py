@@ -185,7 +185,12 @@ def _train_parser(
         type=flag_type(at_least=1),
         help="seconds of silence after which a process is declared dead (100)",
     )
-    procs.add_argument("--auto-cluster", action="store_true", help="let JAX detect TPU pod / SLURM / Open MPI")
+    procs.add_argument(
+        "--auto-cluster",
+        action="store_true",
+        help="let JAX detect the job (TPU pod, SLURM, Open MPI, Kubernetes); process 0 listens on the coordinator "
+        "it detects, that host's address only",
+    )
     for part in ("cert", "key", "ca"):  # JAX's mutual TLS between the processes of the job
         procs.add_argument(f"--mtls-{part}", metavar="FILE", help=f"mutual TLS between processes: the {part} file")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")

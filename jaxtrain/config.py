@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from jaxtrain.comm import ALGORITHMS, COMPRESSIONS
 from jaxtrain.data import PARTITIONS
-from jaxtrain.errors import ConfigError, Settings, accepts_of, problem, scalar_types, setting
+from jaxtrain.errors import ConfigError, Settings, UserInputError, accepts_of, problem, scalar_types, setting
 from jaxtrain.schedules import SCHEDULES
 from jaxtrain.updates import POLICIES
 from models import resolve_model
@@ -206,9 +206,9 @@ def _replace(part: Any, changes: dict[str, Any]) -> Any:
     """`part` with `changes`, checked together (by `Settings`, and by a registered model's own `__post_init__`)."""
     try:
         return dataclasses.replace(part, **changes)
-    except ConfigError:
+    except UserInputError:  # says what is wrong already
         raise
-    except (TypeError, ValueError) as err:  # a model config that checks itself without ConfigError
+    except (TypeError, ValueError) as err:  # a model config that checks itself with Python's errors
         given = " ".join(f"{name}={value}" for name, value in changes.items())
         raise ConfigError(f"overrides {given}: {err}") from None
 

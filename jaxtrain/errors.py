@@ -94,8 +94,12 @@ def problem(key: str, shown: str, accepts: Accepts, kind: type) -> str:
 @functools.cache
 def scalar_types(cls: type) -> dict[str, type]:
     """The fields of dataclass `cls` whose declared type is int, float, bool or str, with that type."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if hints[f.name] in (int, float, bool, str)}
+    fields = dataclasses.fields(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # annotations that do not resolve here: go by the defaults' types
+        hints = {f.name: type(f.default) for f in fields if f.default is not dataclasses.MISSING}
+    return {f.name: hints[f.name] for f in fields if hints.get(f.name) in (int, float, bool, str)}
 
 
 class Settings:

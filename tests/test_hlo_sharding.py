@@ -96,7 +96,8 @@ def assert_compiled_afresh(fresh_compiles):
     [
         pytest.param("data=2,fsdp=2,tensor=2", [], False, id="data=2,fsdp=2,tensor=2"),
         pytest.param("data=2,tensor=4", [], False, id="data=2,tensor=4"),
-        # The control: at 2 rows per fsdp shard XLA copies an activation whole to move it from fsdp to fsdp x tensor.
+        # The control (issue 14): here XLA replicates a (B/4, T, D) activation to move its fsdp split from the batch
+        # dim to the embed dim, and warns (at batch 8 and 32 too).
         pytest.param("fsdp=4,tensor=2", ["batch_size=16"], True, id="control-fsdp=4,tensor=2-batch=16"),
     ],
 )

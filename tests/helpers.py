@@ -10,6 +10,9 @@ import numpy as np
 from jaxtrain.config import apply_overrides, default_config
 from jaxtrain.run import Setup, build
 
+# Gradients computed in bfloat16 on two meshes (or a mesh and one device), leaf by leaf: measured within 9.2e-3 of each
+# other on gpt-tiny; a gradient off by a constant factor of 2 is off by 1.
+BF16_GRAD_RTOL = 3e-2
 TINY = ["batch_size=8", "seq_len=32", "train.steps=10", "warmup_steps=1", "learning_rate=0.01"]
 
 

@@ -20,10 +20,14 @@ SHARED_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
 
 def shared_file(name: str) -> Path:
-    """A file from ../shared/data, or skip the test saying why."""
+    """A file from ../shared/data. Where it is absent the test skips saying why, except under CI (CI=true), where
+    ../shared is present: there a missing file is a broken path, and a skip would hide it."""
     path = SHARED_DATA / name
     if not path.is_file():
-        pytest.skip(f"{path} is absent (it ships beside the project checkout, not with it)")
+        why = f"{path} is absent (it ships beside the project checkout, not with it)"
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"{why}; under CI=true it must be there", pytrace=False)
+        pytest.skip(why)
     return path
 
 

@@ -58,10 +58,9 @@ def losses(run: Setup, steps: int = 5, params=None) -> np.ndarray:
 
 
 def assert_curves_close(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], rtol: float = 1e-5) -> None:
-    """Losses and gradient norms step by step within `rtol`, and a loss that falls (training, not a constant)."""
+    """Losses and gradient norms step by step within `rtol`."""
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(got[key], reference[key], rtol=rtol, err_msg=key)
-    assert got["loss"][-1] < got["loss"][0], got["loss"]
 
 
 def gradients(run: Setup) -> tuple[float, list[np.ndarray]]:

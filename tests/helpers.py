@@ -35,10 +35,6 @@ def reference_curve(overrides: tuple[str, ...] = (), model: str = "gpt-tiny") ->
     return curve(cached_run("single", overrides, model))
 
 
-def reference_losses(overrides: tuple[str, ...] = (), model: str = "gpt-tiny") -> np.ndarray:
-    return reference_curve(overrides, model)["loss"]
-
-
 def curve(run: Setup, steps: int = 5, params=None) -> dict[str, np.ndarray]:
     """Loss and gradient norm (before clipping) of the first `steps` training steps of `run`, from its own
     initialisation or from `params` (model order). The norm sees a gradient off by a constant factor (a sum where a

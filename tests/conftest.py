@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
@@ -19,8 +20,44 @@ SHARED_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
 
 def shared_file(name: str) -> Path:
-    """A file from ../shared/data, or skip the test saying why."""
+    """A file from ../shared/data. Where it is absent the test skips saying why, except under CI (CI=true), where
+    ../shared is present: there a missing file is a broken path, and a skip would hide it."""
     path = SHARED_DATA / name
     if not path.is_file():
-        pytest.skip(f"{path} is absent (it ships beside the project checkout, not with it)")
+        why = f"{path} is absent (it ships beside the project checkout, not with it)"
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"{why}; under CI=true it must be there", pytrace=False)
+        pytest.skip(why)
     return path
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # each compile JAX hands to the backend, or its cache
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+@pytest.fixture
+def fresh_compiles():
+    """Compiles inside the test bypass the persistent compilation cache, so XLA really compiles and prints what it
+    prints only then (e.g. its rematerialization warnings). Yields {"compiles": n, "cache_hits": n} counted during
+    the test, for it to prove that its compiles happened."""
+    counts = {"compiles": 0, "cache_hits": 0}
+
+    def on_compile(event: str, _secs: float, **_) -> None:
+        counts["compiles"] += event == BACKEND_COMPILE
+
+    def on_event(event: str, **_) -> None:
+        counts["cache_hits"] += event == CACHE_HIT
+
+    # The cache decides once per process whether it is in use: reset it around the change, both ways.
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+        jax.monitoring.unregister_event_listener(on_event)
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()

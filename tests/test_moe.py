@@ -7,7 +7,7 @@ import itertools
 import jax
 import numpy as np
 import pytest
-from helpers import cached_run, losses, make_run, reference_losses
+from helpers import assert_curves_close, cached_run, curve, make_run, reference_curve
 
 from jaxtrain.comm_report import communication_report
 from jaxtrain.config import ConfigError, apply_overrides, default_config
@@ -82,7 +82,7 @@ def run_on(mesh: str):
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_losses_match_single_device(mesh):
-    np.testing.assert_allclose(losses(run_on(mesh)), reference_losses(tuple(NO_DROPS), "moe"), rtol=1e-5)
+    assert_curves_close(curve(run_on(mesh)), reference_curve(tuple(NO_DROPS), "moe"))
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -4,7 +4,7 @@ other axes; the compiled programs show the schedule (stage-to-stage permutes, st
 import jax
 import numpy as np
 import pytest
-from helpers import assert_gradients_close, gradients, losses, make_run
+from helpers import BF16_GRAD_RTOL, assert_gradients_close, gradients, make_run
 
 from jaxtrain.hlo import collectives
 from jaxtrain.pipeline import PipelineError
@@ -23,17 +23,18 @@ def reference():
     return gradients(make_run("single", MODEL, devices=1))
 
 
-def check_matches(run, reference):
+def check_matches(run, reference, loss_rtol=1e-5, grad_rtol=1e-5):
     ref_loss, ref_grads = reference
     loss, grads = gradients(run)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_gradients_close(grads, ref_grads, rtol=1e-5)
+    np.testing.assert_allclose(loss, ref_loss, rtol=loss_rtol)
+    assert_gradients_close(grads, ref_grads, rtol=grad_rtol)
 
 
 def schedule_cases() -> list:
-    """(schedule, stages P, microbatches per stage: M = 1, P or 2P). The default suite runs every schedule with
-    M = 1 and M = P on 2 stages, and the interleaved one (the most intricate table) with M = P on 4; the rest are the
-    same programs with other tick counts, run with the slow tests."""
+    """(schedule, stages P, microbatches per stage: M = 1, P or 2P), the valid ones only (interleaved needs M to be
+    a multiple of P; that it refuses others is tested below). The default suite runs every schedule with M = P on 2
+    stages, gpipe and 1f1b with M = 1 too, and the interleaved one (the most intricate table) with M = P on 4; the
+    rest are the same programs with other tick counts, run with the slow tests."""
     default = {(2, 0), (2, 1)}
     return [
         pytest.param(
@@ -44,14 +45,13 @@ def schedule_cases() -> list:
         )
         for schedule in SCHEDULES
         for p, m in [(2, 0), (2, 1), (4, 1), (4, 0), (2, 2), (4, 2)]
+        if schedule != "interleaved" or m > 0
     ]
 
 
 @pytest.mark.parametrize("schedule,stages,per_stage", schedule_cases())
 def test_schedule_matches_single_device(schedule, stages, per_stage, reference):
     microbatches = max(1, per_stage * stages)
-    if schedule == "interleaved" and microbatches % stages:
-        pytest.skip("interleaved needs M to be a multiple of P (tested as an error below)")
     run = make_run(f"pipeline={stages}", [*MODEL, *SCHEDULES[schedule], f"microbatches={microbatches}"], devices=stages)
     check_matches(run, reference)
 
@@ -71,19 +71,20 @@ def test_stash_of_inputs_recomputes_the_same_gradients(reference):
 
 # Accumulation wraps whatever the schedule computes: one schedule by default, the others with the slow tests.
 @pytest.mark.parametrize("schedule", [s if s == "1f1b" else pytest.param(s, marks=pytest.mark.slow) for s in SCHEDULES])
-def test_training_with_gradient_accumulation_matches_single_device(schedule):
-    """Five optimizer steps: accumulation over 2 pieces of 2 x 4 microbatches each must not rescale anything."""
-    reference = losses(make_run("single", MODEL, devices=1))
+def test_gradient_accumulation_matches_single_device(schedule, reference):
+    """2 pieces of 4 microbatches each: the mean of the pieces' gradients is the 1-device gradient of the whole batch
+    (a sum would be twice it)."""
     run = make_run("pipeline=2,data=2,tensor=2", [*MODEL, *SCHEDULES[schedule], "microbatches=4", "grad_accum=2"])
-    np.testing.assert_allclose(losses(run), reference, rtol=1e-5)
+    check_matches(run, reference)
 
 
 def test_bfloat16_compute_with_full_remat():
-    """Mixed precision and rematerialisation inside the stages: bfloat16 rounding, so a loose tolerance."""
+    """Mixed precision and rematerialisation inside the stages, against the same on one device: bfloat16 rounding,
+    so bfloat16 tolerances (measured: the loss within 2e-5, each gradient within 9e-3)."""
     overrides = [*MODEL, "dtype=bfloat16", "remat=full"]
-    reference = losses(make_run("single", overrides, devices=1), steps=3)
-    pipelined = losses(make_run("pipeline=2,data=2,tensor=2", [*overrides, "microbatches=4"]), steps=3)
-    np.testing.assert_allclose(pipelined, reference, rtol=2e-2)
+    reference = gradients(make_run("single", overrides, devices=1))
+    pipelined = make_run("pipeline=2,data=2,tensor=2", [*overrides, "microbatches=4"])
+    check_matches(pipelined, reference, loss_rtol=1e-4, grad_rtol=BF16_GRAD_RTOL)
 
 
 def test_1f1b_keeps_less_activation_memory_than_gpipe():

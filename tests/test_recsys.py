@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import cached_run, losses, make_run, reference_losses
+from helpers import assert_curves_close, cached_run, curve, make_run, reference_curve
 
 from jaxtrain.clicks import Clicks, batches, logistic_baseline
 from jaxtrain.config import apply_overrides, default_config
@@ -53,7 +53,7 @@ def run_on(mesh: str):
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_losses_match_single_device(mesh):
-    np.testing.assert_allclose(losses(run_on(mesh)), reference_losses(tuple(SMALL), "recsys"), rtol=1e-5)
+    assert_curves_close(curve(run_on(mesh)), reference_curve(tuple(SMALL), "recsys"))
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from helpers import BF16_GRAD_RTOL, assert_gradients_close, gradients, make_run
 
+from jaxtrain.config import ConfigError
 from jaxtrain.hlo import collectives
 from jaxtrain.pipeline import PipelineError
 from jaxtrain.schedules import ScheduleError, build_schedule
@@ -153,7 +154,7 @@ def test_batch_not_divisible_into_microbatches():
 
 
 def test_unknown_schedule_and_misplaced_virtual_stages():
-    with pytest.raises(ScheduleError, match="unknown pipeline schedule 'zigzag'"):
+    with pytest.raises(ConfigError, match="train.schedule='zigzag' is not one of gpipe, 1f1b, interleaved"):
         make_run("pipeline=2", [*MODEL, "schedule=zigzag"], devices=2)
     with pytest.raises(ScheduleError, match="virtual_stages=2 needs schedule=interleaved"):
         make_run("pipeline=2", [*MODEL, "virtual_stages=2"], devices=2)

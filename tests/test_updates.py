@@ -114,10 +114,10 @@ def test_stale_gradients_apply_the_gradient_of_tau_steps_ago(staleness):
     "mesh,overrides,error,message",
     [
         ("data=8", ["sync=local_sgd"], UpdatePolicyError, "trains replicas apart, one per index of the 'replica'"),
-        ("replica=8", ["sync=local_sgd", "sync_every=0"], UpdatePolicyError, "needs H >= 1 local steps"),
+        ("replica=8", ["sync=local_sgd", "sync_every=0"], ConfigError, "sync_every=0: expected an integer >= 1"),
         ("replica=8", ["sync=diloco", "grad_sync=ring"], ConfigError, "grad_sync=ring averages every step"),
-        ("data=8", ["sync=async"], UpdatePolicyError, "train.sync='async': use one of synchronous, local_sgd"),
-        ("data=8", ["sync=stale", "staleness=-1"], UpdatePolicyError, "cannot arrive before it is made"),
+        ("data=8", ["sync=async"], ConfigError, "train.sync='async' is not one of synchronous, local_sgd"),
+        ("data=8", ["sync=stale", "staleness=-1"], ConfigError, "staleness=-1: expected an integer >= 0"),
         ("pipeline=2,data=4", ["sync=stale"], ConfigError, "with a pipeline axis is not supported yet"),
     ],
 )

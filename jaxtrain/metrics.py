@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -81,7 +82,10 @@ class MetricsLog:
             keep_rows_through(self.path, step)
             self.file = open(self.path, "a")
         if self.tensorboard_dir:
-            self.board = tensorboard_writer_class()(self.tensorboard_dir, purge_step=step + 1 if step else None)
+            # A new event file each time, named uniquely: tensorboardX names them by the second and opens with "wb".
+            self.board = tensorboard_writer_class()(
+                self.tensorboard_dir, purge_step=step + 1 if step else None, filename_suffix=f".{time.time_ns()}"
+            )
 
     def rewind(self, step: int) -> None:
         """Training went back to `step` (a rollback): continue the outputs from there, as a run resumed there does."""

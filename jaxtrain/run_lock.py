@@ -56,7 +56,8 @@ class RunLock:
             raise CheckpointWriteError(f"cannot use checkpoint directory {self.path.parent}: {err}.", None) from err
         left = _read(self.fd)
         if left and left.get("host") != socket.gethostname():
-            self.release()
+            os.close(self.fd)  # unlocked, the file left as it was
+            self.fd = None
             raise RunLockedError(
                 f"{self.path} says {describe(left)} holds checkpoint directory {self.path.parent}, and a lock taken on "
                 "another host cannot be checked from here. If that run has ended (its host is down, or it was killed), "

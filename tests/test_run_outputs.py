@@ -2,12 +2,14 @@
 scalars (read back from the event file with a reader written here), and each record handed to a callback."""
 
 import json
+import shutil
 import struct
 import sys
 
 import jax
 import pytest
 from helpers import TINY
+from test_checkpoint import config
 
 from jaxtrain.cli import _run_config, _train_parser
 from jaxtrain.config import apply_overrides, default_config
@@ -114,3 +116,38 @@ def test_missing_tensorboardx_is_a_clear_error_before_compiling(monkeypatch, tmp
     cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, f"tensorboard_dir={tmp_path}"])
     with pytest.raises(MetricsError, match=r"pip install 'jaxtrain\[tensorboard\]'"):
         train(cfg, log=lambda *_: pytest.fail("setup started"))
+
+
+def test_a_resumed_run_drops_the_rows_it_redoes(tmp_path):
+    """Crashed after step 4's checkpoint with rows up to 6 written: the rerun replaces rows 5 and 6, so the file holds
+    each step once, and TensorBoard is told to purge the events from step 5 on."""
+    directory, metrics, board = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "tb"
+    outputs = [f"metrics_file={metrics}", f"tensorboard_dir={board}"]
+    first = train(config("data=8", directory, outputs), log=lambda *_: None)["history"]
+    shutil.rmtree(directory / "6")
+    second = train(config("data=8", directory, outputs), log=lambda *_: None)["history"]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows == first[:4] + second
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    events = [Event.FromString(r) for path in board.glob("events.out.tfevents.*") for r in read_tfrecords(path)]
+    assert [e.step for e in events if e.session_log.status == SessionLog.START] == [5]
+
+
+def test_a_new_run_never_writes_into_another_runs_metrics(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    earlier = '{"step": 1, "loss": 5.6}\n{"step": 2, "loss": 5.5}\n{"step": 3, "lo'  # the last row cut short
+    metrics.write_text(earlier)
+    cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, f"metrics_file={metrics}"])
+    with pytest.raises(MetricsError) as refused:
+        train(cfg, log=lambda line: pytest.fail(f"got as far as: {line}"))  # refused before compiling
+    assert str(refused.value).startswith(f"metrics file {metrics} already holds 2 rows (steps 1-2) of another run")
+    assert "Give another --metrics-file, or move" in str(refused.value)
+    assert metrics.read_text() == earlier
+
+    metrics.write_text("step,loss\n1,5.6\n")
+    with pytest.raises(
+        MetricsError, match=f"metrics file {metrics}, line 1, is not a metrics record \\('step,loss'\\)"
+    ):
+        train(cfg, log=lambda *_: None)

@@ -67,7 +67,8 @@ class Progress:
     `data_offset`: batches skipped by rollbacks, so step k trains on batch k + data_offset (a global index, whatever
     the topology). `nonfinite_total`: updates skipped for a non-finite loss or gradient, over the run's whole life.
     `history`: the run's deliberate turns, oldest first, each `run_identity.history_entry` (config changes allowed
-    on resume; the checkpoint a `train.restore` started it from), carried forward by every later checkpoint.
+    on resume; the checkpoint a `train.restore` started it from), carried forward by every later checkpoint. `run`:
+    the run's name, the fingerprint of the config it started with (`run_identity.fingerprint`), kept through changes.
     """
 
     step: int = 0
@@ -75,14 +76,16 @@ class Progress:
     nonfinite_total: int = 0
     rollbacks: int = 0
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    run: str = ""
 
     def meta(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> Progress:
-        counts = {f.name: int(meta.get(f.name, 0)) for f in dataclasses.fields(cls) if f.name != "history"}
-        return cls(**counts, history=list(meta.get("history", [])))
+        counts = {name: int(meta.get(name, 0)) for name in ("step", "data_offset", "nonfinite_total", "rollbacks")}
+        run = meta.get("run") or run_identity.fingerprint(meta.get("config", {}))  # older checkpoints have none
+        return cls(**counts, history=list(meta.get("history", [])), run=run)
 
 
 class SkippedSteps:
@@ -181,33 +184,34 @@ def open_checkpoints(cfg: RunConfig) -> Checkpoints | None:
     return Checkpoints(t.checkpoint_dir, t.checkpoint_every, t.checkpoint_keep, t.checkpoint_keep_every)
 
 
-def check_resume(cfg: RunConfig) -> bool:
-    """Whether `train.checkpoint_dir` holds a checkpoint to resume. Raises `run_identity.RunIdentityError` if the
-    newest one's config makes it another run, and `ConfigError` for an unknown key in `train.allow_config_change`:
-    cheap (only JSON is read), so before anything compiles. `initial_state` checks each checkpoint it tries again."""
+def check_resume(cfg: RunConfig) -> str:
+    """The name of the run `cfg` continues in `train.checkpoint_dir`, or starts. Raises `RunIdentityError` if the
+    newest checkpoint's config makes it another run, and `ConfigError` for an unknown key in
+    `train.allow_config_change`: cheap (only JSON is read), so before anything compiles. `initial_state` checks each
+    checkpoint it tries again."""
     run_identity.allowed_changes(cfg)
     newest = newest_meta(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
-    if newest:
-        run_identity.check(*newest, cfg)
-    return newest is not None
+    if newest is None:
+        return run_identity.fingerprint(run_identity.config_json(cfg))
+    run_identity.check(*newest, cfg)
+    return Progress.from_meta(newest[1]).run
 
 
-def initial_state(
-    run: Setup, checkpoints: Checkpoints | None, log: Callable[[str], None]
-) -> tuple[Any, Progress, bool]:
-    """The newest checkpoint in the run's directory, else `train.restore`, else a fresh init; where it stands; and
-    whether it resumes the run the checkpoint directory holds (rather than starting one)."""
+def initial_state(run: Setup, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> tuple[Any, Progress]:
+    """The newest checkpoint in the run's directory, else `train.restore`, else a fresh init; and where it stands
+    (a new run, also one restored from another's checkpoint, has the fingerprint of its own config for a name)."""
     plan, cfg = run.plan, run.cfg
     found, changed = _restore_latest(run, checkpoints) if checkpoints else (None, {})
     if found is not None:
         state, meta = found
-        return plan.state_from_model_order(state), _resumed(cfg, Progress.from_meta(meta), changed, log), True
+        return plan.state_from_model_order(state), _resumed(cfg, Progress.from_meta(meta), changed, log)
+    new_run = run_identity.fingerprint(run_identity.config_json(cfg))
     if cfg.train.restore and is_params_export(cfg.train.restore):
-        return _fine_tune(run, log), Progress(), False
+        return _fine_tune(run, log), Progress(run=new_run)
     if cfg.train.restore:
         state, progress = _restore_step(run, log)
-        return state, progress, False
-    return plan.init_state(run.optimizer, cfg.train.seed), Progress(), False
+        return state, dataclasses.replace(progress, run=new_run)
+    return plan.init_state(run.optimizer, cfg.train.seed), Progress(run=new_run)
 
 
 def _restore_latest(run: Setup, checkpoints: Checkpoints) -> tuple[tuple[Any, dict] | None, dict[str, tuple]]:

@@ -30,7 +30,7 @@ from jaxtrain.data import Dataset, global_batch, make_dataset, model_data_args
 from jaxtrain.distributed import describe_processes, to_host
 from jaxtrain.flops import peak_flops
 from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
-from jaxtrain.metrics import MetricsLog, check_new_run_outputs, tensorboard_writer_class
+from jaxtrain.metrics import MetricsLog, check_outputs, tensorboard_writer_class
 from jaxtrain.optim import make_optimizer
 from jaxtrain.pipeline import Pipeline, make_pipeline, stacked_layer_count
 from jaxtrain.plan import (
@@ -311,15 +311,16 @@ def train(
     if lead and cfg.train.tensorboard_dir:
         tensorboard_writer_class()  # a missing tensorboardX is an error now, not after compiling
     with run_lock.holding(cfg.train.checkpoint_dir, log):  # one writer per checkpoint directory, from start to exit
-        # Refused before anything compiles: a resume of another run's checkpoints, a new run's metrics into old files.
-        if not check_resume(cfg) and lead:
-            check_new_run_outputs(cfg.train.metrics_file, cfg.train.tensorboard_dir)
+        # Refused before anything compiles: a resume of another run's checkpoints, metrics into another run's files.
+        run_name = check_resume(cfg)
+        if lead:
+            check_outputs(cfg.train.metrics_file, cfg.train.tensorboard_dir, run_name)
         run = setup(cfg, log, devices)
         with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
-            state, progress, resumed = initial_state(run, checkpoints, log)
+            state, progress = initial_state(run, checkpoints, log)
             peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
             log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
-            sink = _metrics_sink(cfg, lead, on_metrics, progress.step if resumed else None)
+            sink = _metrics_sink(cfg, lead, on_metrics, progress)
             with Recorder(run, peak, sink) as recorder, stop_signals() as stop:
                 state, preempted = _loop(run, state, progress, checkpoints, recorder, stop, log)
                 if checkpoints:
@@ -332,8 +333,9 @@ def train(
     return {**summary, "history": recorder.history, "state": state, "run": run}
 
 
-def _metrics_sink(cfg: RunConfig, lead: bool, on_metrics: Callable | None, resumed_at: int | None) -> MetricsLog:
-    """Where process 0 writes the metrics (the other processes train silently); `resumed_at`: see `MetricsLog`."""
+def _metrics_sink(cfg: RunConfig, lead: bool, on_metrics: Callable | None, progress: Progress) -> MetricsLog:
+    """Where process 0 writes the metrics of the run `progress` names, from its step on (the other processes train
+    silently)."""
     if not lead:
         return MetricsLog(None, cfg.train.steps, stream=None)
     t = cfg.train
@@ -343,7 +345,8 @@ def _metrics_sink(cfg: RunConfig, lead: bool, on_metrics: Callable | None, resum
         t.progress,
         tensorboard_dir=t.tensorboard_dir or None,
         on_record=on_metrics,
-        resumed_at=resumed_at,
+        run=progress.run,
+        start=progress.step,
     )
 
 

@@ -19,6 +19,7 @@ norm does and MoE's expert capacity, sees each accumulation piece or microbatch 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,13 @@ class RunIdentityError(CheckpointError):
 def config_json(cfg: RunConfig) -> dict[str, Any]:
     """`cfg` as the JSON a checkpoint's meta stores (tuples become lists, as they read back)."""
     return json.loads(json.dumps({**dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model)}))
+
+
+def fingerprint(config: dict[str, Any]) -> str:
+    """A short name of the trajectory `config` (a checkpoint's stored config, or `config_json(cfg)`) defines: a
+    hash of its trajectory keys, so a run and every rerun of it share it (metrics rows carry it: `metrics`)."""
+    keys = {key: value for key, value in _flat(config).items() if defines_trajectory(key)}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def defines_trajectory(key: str) -> bool:

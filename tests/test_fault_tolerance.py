@@ -173,7 +173,7 @@ def test_nonfinite_steps_in_a_row_roll_back_and_skip_the_data(poisoned_batches, 
     # The file keeps one row per step: the skipped steps' rows went with the state they described.
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 11))
-    assert rows == [{**r, "step": r["step"]} for r in records[:4] + records[7:]]
+    assert [{k: v for k, v in r.items() if k != "run"} for r in rows] == records[:4] + records[7:]
     assert rows[4]["nonfinite_total"] == 3  # the rollback shows in the row after it
 
     run = build(cfg, log=lambda *_: None)  # step 5 after the rollback: step 4's params on batch 8

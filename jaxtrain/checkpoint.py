@@ -120,25 +120,28 @@ class Checkpoints:
         self, abstract_state: PyTree, accept: Callable[[Path, dict[str, Any]], None] = lambda *_: None
     ) -> tuple[PyTree, dict[str, Any]] | None:
         """The newest checkpoint that reads back, into `abstract_state`'s shapes and shardings; None if there is
-        none. `accept(step_dir, meta)` sees each candidate's meta before its arrays are read and raises to refuse it.
+        none. `accept(step_dir, meta)` sees each candidate's meta before its arrays are read, and raises to refuse it
+        (that stops the search).
 
         A checkpoint that fails to read is skipped with a one-line warning naming it, and once an older one is
         restored it is moved aside (`N.unreadable-<time>`): this run will save step N again, and a checkpoint is never
-        replaced. One that reads but does not fit the model raises `CheckpointMismatchError`."""
+        replaced. If none reads back, that is a `CheckpointError`: a run is not started over checkpoints it cannot
+        read. One that reads but does not fit the model raises `CheckpointMismatchError`."""
         unreadable = []
         for step in reversed(self.steps()):
             path = self.directory / str(step)
-            try:
-                accept(path, _read_meta(path))
-                found = restore(path, abstract_state)
-            except CheckpointMismatchError:
-                raise
-            except CheckpointError as err:
-                log.warning("skipping checkpoint %s, which does not read back: %s", path, err)
-                unreadable.append(path)
-                continue
-            self._move_aside(unreadable)
-            return found
+            found = _restore_accepted(path, abstract_state, accept)
+            if not isinstance(found, CheckpointError):
+                self._move_aside(unreadable)
+                return found
+            log.warning("skipping checkpoint %s, which does not read back: %s", path, found)
+            unreadable.append(path)
+        if unreadable:
+            raise CheckpointError(
+                f"none of the checkpoints in {self.directory} reads back (steps "
+                f"{', '.join(p.name for p in reversed(unreadable))}; see the warnings above), and jaxtrain does not "
+                "train over checkpoints it cannot read: move them away to start anew, or give another --checkpoint-dir."
+            )
         return None
 
     def _move_aside(self, paths: list[Path]) -> None:
@@ -212,6 +215,24 @@ class Checkpoints:
 
 _STEP_DIR = "a step directory containing 'state' (e.g. runs/x/ckpt/1000)"
 _EXPORT_DIR = "a params export containing 'params' (made by `jaxtrain export`)"
+
+
+def _restore_accepted(
+    path: Path, abstract_state: PyTree, accept: Callable[[Path, dict[str, Any]], None]
+) -> tuple[PyTree, dict[str, Any]] | CheckpointError:
+    """`restore(path, abstract_state)` once `accept(path, meta)` agrees (its refusal propagates, as does a
+    `CheckpointMismatchError`); for a checkpoint that does not read back, the error saying why."""
+    try:
+        meta = _read_meta(path)
+    except CheckpointError as err:
+        return err
+    accept(path, meta)
+    try:
+        return restore(path, abstract_state)
+    except CheckpointMismatchError:
+        raise
+    except CheckpointError as err:
+        return err
 
 
 def one_line(err: BaseException, limit: int = 300) -> str:

@@ -17,6 +17,7 @@ import pytest
 from jaxtrain.checkpoint import CheckpointError, Checkpoints, restore
 from jaxtrain.config import apply_overrides, default_config
 from jaxtrain.run import build, train
+from jaxtrain.run_identity import RunIdentityError
 from jaxtrain.run_lock import RunLockedError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,8 +107,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(uninterrupted, t
     6 is moved aside, bytes intact, for the run will save a step 6 of its own."""
     directory = tmp_path / "ckpt"
     shutil.copytree(uninterrupted[0], directory)
-    for data in (directory / "6" / "state").rglob("d/*"):  # the array data files
-        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    truncate_arrays(directory / "6")
     truncated = digest(directory / "6")
     run = build(config("data=8", directory), log=lambda *_: None)
     with Checkpoints(directory, 2) as checkpoints:
@@ -119,6 +119,41 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(uninterrupted, t
     [aside] = directory.glob("6.unreadable-*")
     assert moved.startswith(f"moved unreadable checkpoint {directory / '6'} to {aside}")
     assert digest(aside) == truncated
+
+
+def truncate_arrays(step_dir: Path) -> None:
+    for data in (step_dir / "state").rglob("d/*"):  # the array data files
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def test_a_refusal_stops_the_search_and_nothing_is_moved(uninterrupted, tmp_path):
+    """A checkpoint refused by `accept` (another run's) is not skipped like an unreadable one: the search stops, and
+    the unreadable newer one stays where it is."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(uninterrupted[0], directory)
+    truncate_arrays(directory / "6")
+
+    def accept(path, meta):
+        if path.name == "4":
+            raise RunIdentityError(f"{path} is another run's")
+
+    run = build(config("data=8", directory), log=lambda *_: None)
+    with Checkpoints(directory, 2) as checkpoints:
+        with pytest.raises(RunIdentityError, match="4 is another run's"):
+            checkpoints.restore_latest(run.plan.abstract_model_state(), accept)
+        assert checkpoints.steps() == [2, 4, 6]
+    assert not list(directory.glob("*.unreadable-*"))
+
+
+def test_no_checkpoint_that_reads_back_is_an_error(uninterrupted, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(uninterrupted[0], directory)
+    for step in ("2", "4", "6"):
+        truncate_arrays(directory / step)
+    before = digest(directory)
+    with pytest.raises(CheckpointError, match="none of the checkpoints in .* reads back \\(steps 2, 4, 6;"):
+        run_train("data=8", directory)
+    assert digest(directory) == before
 
 
 def test_restore_from_a_training_step_continues_that_run(uninterrupted, tmp_path):

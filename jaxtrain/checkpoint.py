@@ -8,6 +8,12 @@ temporary directory and renames it when complete, so a crash mid-save leaves the
 The data position is the global step: batches are a pure function of (seed, split, step), whatever the device or
 process count, so resuming at step n reads exactly the batches an uninterrupted run would.
 
+Nothing here deletes or replaces a checkpoint it did not write: a step that exists is never saved over, a checkpoint
+that does not read back is moved aside (renamed `N.unreadable-<time>`, kept for the user to inspect) once an older one
+has been restored in its place, and one that reads back but does not fit the model is an error
+(`CheckpointMismatchError`), never a reason to start over. Retention (`keep`, `keep_every`) deletes only the run's own
+old steps.
+
 For evaluation or fine-tuning, `export_params` writes the params alone (no optimizer state) and `restore_params` reads
 them, from such an export or from a training checkpoint, into any mesh. `describe_checkpoint` reports what a run
 directory, step or export holds from metadata alone (`jaxtrain inspect`, `jaxtrain export`).
@@ -18,18 +24,22 @@ directory, step or export holds from metadata alone (`jaxtrain inspect`, `jaxtra
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from jaxtrain.errors import UserInputError
 from jaxtrain.plan import fmt_bytes, format_table, total_bytes
+from jaxtrain.save_failure import SaveFailureBroadcast
 
 PyTree = Any
 log = logging.getLogger(__name__)
@@ -37,6 +47,10 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(UserInputError):
     """A checkpoint that is missing, unreadable, or does not fit the model."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint that reads back but was saved by a different model: its arrays' names or shapes differ."""
 
 
 class CheckpointWriteError(CheckpointError):
@@ -61,12 +75,19 @@ class Checkpoints:
             enable_async_checkpointing=async_save,
             create=True,
             cleanup_tmp_directories=True,  # what a killed process left half-written
+            # Orbax's default creates the step directory in a background thread that the array writers wait for, with
+            # a 300 s timeout (orbax's multihost coordination_timeout) and no cancellation: when the directory cannot
+            # be created (permission denied, full disk) the error is reported at once, but the writer threads, which
+            # the interpreter joins at exit, wait out the 300 s. Created synchronously, in `save`, the same error is
+            # raised there and no thread is left waiting. It costs one mkdir in the blocking part of a save.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         except OSError as err:
             raise CheckpointWriteError(f"cannot use checkpoint directory {self.directory}: {err}.", None) from err
         self.writing: int | None = None  # the step of a save that may still be in progress
+        self.failure = SaveFailureBroadcast()  # with several processes, a failed save ends them all at once
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first."""
@@ -82,9 +103,11 @@ class Checkpoints:
         Raises `CheckpointWriteError` if this save, or the previous one still in flight, fails.
         """
         self.wait()  # Orbax would wait for the previous save too; waiting here names its failure as its own
-        if step in self.manager.all_steps():  # one newer than the restored one, skipped as unreadable
-            log.warning("replacing checkpoint %s", self.directory / str(step))
-            self.manager.delete(step)
+        if step in self.manager.all_steps():  # never replaced: `restore_latest` moves unreadable newer ones aside
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} already exists and jaxtrain never replaces a checkpoint: "
+                "move it away if it is not needed, or train into another checkpoint directory."
+            )
         try:
             self.manager.save(
                 step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
@@ -93,15 +116,48 @@ class Checkpoints:
             raise self._failed(step, err) from err
         self.writing = step
 
-    def restore_latest(self, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]] | None:
+    def restore_latest(
+        self, abstract_state: PyTree, accept: Callable[[Path, dict[str, Any]], None] = lambda *_: None
+    ) -> tuple[PyTree, dict[str, Any]] | None:
         """The newest checkpoint that reads back, into `abstract_state`'s shapes and shardings; None if there is
-        none. A checkpoint that fails to read is skipped with a warning naming it."""
+        none. `accept(step_dir, meta)` sees each candidate's meta before its arrays are read, and raises to refuse it
+        (that stops the search).
+
+        A checkpoint that fails to read is skipped with a one-line warning naming it, and once an older one is
+        restored it is moved aside (`N.unreadable-<time>`): this run will save step N again, and a checkpoint is never
+        replaced. If none reads back, that is a `CheckpointError`: a run is not started over checkpoints it cannot
+        read. One that reads but does not fit the model raises `CheckpointMismatchError`."""
+        unreadable = []
         for step in reversed(self.steps()):
-            try:
-                return restore(self.directory / str(step), abstract_state)
-            except CheckpointError as err:
-                log.warning("skipping checkpoint %s: %s", self.directory / str(step), err)
+            path = self.directory / str(step)
+            found = _restore_accepted(path, abstract_state, accept)
+            if not isinstance(found, CheckpointError):
+                self._move_aside(unreadable)
+                return found
+            log.warning("skipping checkpoint %s, which does not read back: %s", path, found)
+            unreadable.append(path)
+        if unreadable:
+            raise CheckpointError(
+                f"none of the checkpoints in {self.directory} reads back (steps "
+                f"{', '.join(p.name for p in reversed(unreadable))}; see the warnings above), and jaxtrain does not "
+                "train over checkpoints it cannot read: move them away to start anew, or give another --checkpoint-dir."
+            )
         return None
+
+    def _move_aside(self, paths: list[Path]) -> None:
+        """Rename unreadable checkpoints out of the step sequence, keeping their bytes (process 0 renames; every
+        process then re-reads the step list)."""
+        if not paths:
+            return
+        if jax.process_index() == 0:
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            for path in paths:
+                aside = path.with_name(f"{path.name}.unreadable-{stamp}")
+                path.rename(aside)
+                log.warning("moved unreadable checkpoint %s to %s; delete it when it is no longer needed", path, aside)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxtrain: unreadable checkpoints moved aside")
+        self.manager.reload()
 
     def wait(self) -> None:
         """Block until every started save is on disk; raises `CheckpointWriteError` if one failed."""
@@ -114,32 +170,40 @@ class Checkpoints:
 
     def _failed(self, step: int | None, err: Exception) -> CheckpointWriteError:
         """The error for a failed save of `step`, after removing what it wrote (on a full disk, space matters)."""
-        self._remove_partial(step)
+        left = self._remove_partial(step)
         steps = self.steps()
         intact = (
             f"the newest complete checkpoint, {self.directory / str(steps[-1])}, is intact"
             if steps
             else "no earlier checkpoint exists"
         )
-        cause = str(err).split(" [tensorstore_spec=")[0]  # tensorstore appends its whole JSON spec
-        return CheckpointWriteError(
-            f"saving checkpoint {self.directory / str(step)} failed ({type(err).__name__}: {cause}); {intact}.", step
+        error = CheckpointWriteError(
+            f"saving checkpoint {self.directory / str(step)} failed ({one_line(err)}){left}; {intact}.", step
         )
+        self.failure.publish(str(error))
+        return error
 
-    def _remove_partial(self, step: int | None, settle_s: float = 5.0) -> None:
+    def _remove_partial(self, step: int | None, settle_s: float = 5.0) -> str:
         """Remove the temporary directory of a failed save. The error surfaces from one of Orbax's writer threads
         while another may still be writing into it (seen in tests: a directory reappearing after removal), so remove
-        until it stays gone for a moment, or `settle_s` has passed."""
+        until it stays gone for a moment, or `settle_s` has passed. Storage that refuses the removal (permission
+        denied, read-only) is not retried: returns a note naming what is left, else ''."""
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline:
             partials = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
             for partial in partials:
-                shutil.rmtree(partial, ignore_errors=True)
+                try:
+                    shutil.rmtree(partial)
+                except OSError as err:
+                    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                        return f"; its partial write {partial} could not be removed ({one_line(err)}): never restored"
             time.sleep(0.2)
             if not partials and not any(self.directory.glob(f"{step}.orbax-checkpoint-tmp*")):
-                return
+                return ""
+        return ""
 
     def close(self) -> None:
+        self.failure.close()
         self.manager.close()
 
     def __enter__(self) -> Checkpoints:
@@ -153,6 +217,31 @@ _STEP_DIR = "a step directory containing 'state' (e.g. runs/x/ckpt/1000)"
 _EXPORT_DIR = "a params export containing 'params' (made by `jaxtrain export`)"
 
 
+def _restore_accepted(
+    path: Path, abstract_state: PyTree, accept: Callable[[Path, dict[str, Any]], None]
+) -> tuple[PyTree, dict[str, Any]] | CheckpointError:
+    """`restore(path, abstract_state)` once `accept(path, meta)` agrees (its refusal propagates, as does a
+    `CheckpointMismatchError`); for a checkpoint that does not read back, the error saying why."""
+    try:
+        meta = _read_meta(path)
+    except CheckpointError as err:
+        return err
+    accept(path, meta)
+    try:
+        return restore(path, abstract_state)
+    except CheckpointMismatchError:
+        raise
+    except CheckpointError as err:
+        return err
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """`err` as one line, type and cause, for a message that names its path itself: TensorStore appends its whole
+    JSON spec (dozens of lines) to its errors, and a cause longer than `limit` characters is cut."""
+    text = " ".join(str(err).split(" [tensorstore_spec=")[0].split())
+    return f"{type(err).__name__}: {text if len(text) <= limit else text[: limit - 3] + '...'}"
+
+
 def restore(path: str | Path, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
     """Read checkpoint directory `path` (a step directory) into `abstract_state`'s shapes, dtypes and shardings."""
     path = Path(path).absolute()
@@ -161,6 +250,18 @@ def restore(path: str | Path, abstract_state: PyTree) -> tuple[PyTree, dict[str,
     _check_shapes(path, abstract_state)
     restored = _read(path, state=ocp.args.StandardRestore(abstract_state))
     return restored["state"], restored["meta"]
+
+
+def newest_meta(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest step directory of run directory `directory` whose meta reads back, and that meta (None if none);
+    only the small JSON meta is read."""
+    directory = Path(directory).absolute()
+    for step in reversed(_steps(directory)):
+        try:
+            return directory / str(step), _read_meta(directory / str(step))
+        except CheckpointError:
+            continue
+    return None
 
 
 def export_params(step_dir: str | Path, out_dir: str | Path) -> Path:
@@ -289,7 +390,7 @@ def _read(path: Path, **items: ocp.args.CheckpointArgs) -> dict[str, Any]:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(path, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
     except Exception as err:  # noqa: BLE001 - whatever the storage layer raises, the checkpoint is unusable
-        raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}).") from err
+        raise CheckpointError(f"checkpoint {path} cannot be read ({one_line(err)}).") from err
     return {**{name: restored[name] for name in items}, "meta": dict(restored["meta"])}
 
 
@@ -297,7 +398,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     try:
         return dict(ocp.JsonCheckpointHandler().restore(path / "meta"))
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {path} has unreadable meta ({type(err).__name__}: {err}).") from err
+        raise CheckpointError(f"checkpoint {path} has unreadable meta ({one_line(err)}).") from err
 
 
 def _steps(path: Path) -> list[int]:
@@ -315,12 +416,13 @@ def _no_checkpoint(path: Path, expected: str) -> CheckpointError:
 def _check_shapes(path: Path, abstract_state: PyTree, item: str = "state") -> None:
     """Compare the shapes stored in `item` with the model's before reading anything, naming the first mismatch."""
     stored_shapes = {name: tuple(x.shape) for name, x in _arrays(path, item).items()}
-    for key, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
-        name = _path(key)
+    named = [(_path(key), x) for key, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
+    # Params first: the mismatch named is the model's, not its optimizer state's.
+    for name, x in sorted(named, key=lambda nx: not nx[0].startswith("params/")):
         if name not in stored_shapes:
-            raise CheckpointError(f"checkpoint {path} has no array {name}: it was saved by a different model.")
+            raise CheckpointMismatchError(f"checkpoint {path} has no array {name}: it was saved by a different model.")
         if stored_shapes[name] != tuple(x.shape):
-            raise CheckpointError(
+            raise CheckpointMismatchError(
                 f"checkpoint {path} does not match the model: {name} is {stored_shapes[name]} there, "
                 f"{tuple(x.shape)} here. Restore it with the config it was saved with."
             )
@@ -339,7 +441,7 @@ def _metadata(path: Path, item: str) -> PyTree:
     try:
         stored = ocp.StandardCheckpointHandler().metadata(path / item)
     except (OSError, ValueError, KeyError) as err:
-        raise CheckpointError(f"checkpoint {path} has unreadable metadata ({type(err).__name__}: {err}).") from err
+        raise CheckpointError(f"checkpoint {path} has unreadable metadata ({one_line(err)}).") from err
     return getattr(stored, "item_metadata", stored)
 
 

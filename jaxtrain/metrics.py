@@ -1,11 +1,24 @@
 """Where metrics go: a JSON-lines file (one object per logged step), TensorBoard scalars, a progress bar or plain
-log lines, and a callback."""
+log lines, and a callback.
+
+The file holds one row per step of the run's trajectory, in order, each step at most once, and each row names its
+run: `"run"`, the fingerprint of the config that defines the trajectory (`run_identity.fingerprint`), the same for a
+run and every rerun of it. A run that (re)starts at step n keeps its own rows up to n and drops its own later ones: a
+resumed run redoes those steps to the same numbers (also a rerun that never reached its first checkpoint, from step 0),
+and after a rollback to a checkpoint their updates were skipped as non-finite and their state discarded; the rollback
+stays visible in the rows that follow (`nonfinite_total` counts the skipped updates) and in the log. A consumer (a
+plot, a dataframe) can then take the file as a function of the step. A row of another run (another fingerprint, or
+none) is never dropped nor mixed with: the run is refused, naming the file. TensorBoard gets the same through its own
+mechanisms: event files named by their run, and a purge of the run's events from the step training continues at.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -33,7 +46,10 @@ def tensorboard_writer_class() -> type:
 
 class MetricsLog:
     """Appends one JSON object per call to `path` (if given), adds each value as a TensorBoard scalar in
-    `tensorboard_dir` (if given), shows progress on `stream` (if given) and passes the record to `on_record`."""
+    `tensorboard_dir` (if given), shows progress on `stream` (if given) and passes the record to `on_record`.
+
+    `run`: the run's fingerprint, written in every row; `start`: the step training (re)starts after. Rows of `run`
+    after `start` are dropped; a row or event file of another run is a `MetricsError` (see the module's doc)."""
 
     def __init__(
         self,
@@ -43,22 +59,51 @@ class MetricsLog:
         stream: TextIO | None = sys.stderr,
         tensorboard_dir: str | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
+        run: str = "",
+        start: int = 0,
     ):
-        self.file = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            _drop_partial_line(Path(path))
-            self.file = open(path, "a")
-        self.board = tensorboard_writer_class()(tensorboard_dir) if tensorboard_dir else None
+        self.path = Path(path) if path else None
+        self.tensorboard_dir = Path(tensorboard_dir) if tensorboard_dir else None
+        self.run = run
+        check_outputs(path, tensorboard_dir, run)
+        self.file = self.board = None
+        self.step = start
+        self._open(start)
         self.on_record = on_record
         self.stream = stream
         self.bar = (
-            tqdm(total=total_steps, file=stream, unit="step", dynamic_ncols=True) if progress and stream else None
+            tqdm(total=total_steps, initial=start, file=stream, unit="step", dynamic_ncols=True)
+            if progress and stream
+            else None
         )
-        self.step = 0
+
+    def _open(self, step: int) -> None:
+        """Open the outputs to continue after `step`: the file without this run's rows of later steps, TensorBoard
+        purging this run's events of later steps."""
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            keep_rows_through(self.path, self.run, step)
+            self.file = open(self.path, "a")
+        if self.tensorboard_dir:
+            earlier = any(_event_files(self.tensorboard_dir))
+            # A new event file each time, named by the run and uniquely: tensorboardX names them by the second only,
+            # and opens them with "wb".
+            self.board = tensorboard_writer_class()(
+                self.tensorboard_dir,
+                purge_step=step + 1 if earlier else None,
+                filename_suffix=f".jaxtrain-{self.run}-{time.time_ns()}",
+            )
+
+    def rewind(self, step: int) -> None:
+        """Training went back to `step` (a rollback): continue the outputs from there, as a run resumed there does."""
+        self._close_outputs()
+        self._open(step)
+        if self.bar is not None:
+            self.bar.update(step - self.step)
+        self.step = step
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}, "run": self.run}
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
@@ -75,23 +120,82 @@ class MetricsLog:
             print(f"step {step:>6}  {_short(record)}", file=self.stream, flush=True)
         self.step = step
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    def _close_outputs(self) -> None:
         if self.board is not None:
             self.board.close()
         if self.file:
             self.file.close()
 
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self._close_outputs()
 
-def _drop_partial_line(path: Path) -> None:
-    """A process killed mid-write leaves half a line; the resumed run appends after the last whole one."""
-    if not path.is_file() or path.stat().st_size == 0:
+
+def check_outputs(path: str | None, tensorboard_dir: str | None, run: str) -> None:
+    """Refuse (`MetricsError`) a metrics file or TensorBoard directory holding metrics of a run other than `run`;
+    nothing is changed."""
+    others = [record for _, record in _rows(Path(path))] if path and Path(path).is_file() else []
+    others = [record for record in others if record.get("run") != run]
+    if others:
+        names = sorted({str(record.get("run", "unnamed")) for record in others})
+        first, last = others[0]["step"], others[-1]["step"]
+        rows = f"{len(others)} rows (steps {first}-{last})" if len(others) > 1 else f"a row (step {first})"
+        raise MetricsError(
+            f"metrics file {path} holds {rows} of another run ({', '.join(names)}; this one is {run}), which this "
+            f"run will not mix with nor drop. Give another --metrics-file, or move {path} away."
+        )
+    foreign = [f for f in _event_files(Path(tensorboard_dir)) if _event_run(f) != run] if tensorboard_dir else []
+    if foreign:
+        raise MetricsError(
+            f"train.tensorboard_dir {tensorboard_dir} holds event files of another run ({foreign[0].name}"
+            f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}): give another directory, or move them."
+        )
+
+
+def keep_rows_through(path: Path, run: str, step: int) -> None:
+    """Rewrite metrics file `path` without `run`'s rows of steps after `step`, and without half a line (what a process
+    killed mid-write leaves). The new file replaces the old by a rename: a kill mid-rewrite loses nothing."""
+    if not path.is_file():
         return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
+    data = path.read_bytes()
+    rows = _rows(path)
+    kept = [line for line, record in rows if record.get("run") != run or record["step"] <= step]
+    if len(kept) == len(rows) and (not data or data.endswith(b"\n")):
+        return
+    partial = path.with_name(f".{path.name}.rewrite")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)
+
+
+def _rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The complete lines of metrics file `path` with their records; a line that is no metrics record (a JSON
+    object with an integer step) is a `MetricsError`: the file is then not one jaxtrain wrote."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(keepends=True), 1):
+        if not line.endswith("\n"):
+            break  # half a line: a write cut short
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise MetricsError(
+                f"metrics file {path}, line {number}, is not a metrics record ({line.strip()[:80]!r}): jaxtrain "
+                "appends to its own metrics files only; give train.metrics_file (--metrics-file) another path."
+            )
+        rows.append((line, record))
+    return rows
+
+
+def _event_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("events.out.tfevents.*")) if directory.is_dir() else []
+
+
+def _event_run(path: Path) -> str | None:
+    """The run an event file was written for (its name ends `.jaxtrain-<run>-<ns>`), None if it names none."""
+    tail = path.name.rsplit(".jaxtrain-", 1)
+    return tail[1].rsplit("-", 1)[0] if len(tail) == 2 else None
 
 
 def _plain(value: Any) -> Any:

@@ -1,6 +1,7 @@
-"""What keeps a run alive: where it stands (step, data position, skipped updates) as its checkpoints record it;
-counting non-finite steps and rolling back after too many in a row; saving with a policy for failed writes;
-resuming, restoring or fine-tuning at the start; and stopping cleanly on preemption.
+"""What keeps a run alive: where it stands (step, data position, skipped updates, history) as its checkpoints record
+it; counting non-finite steps and rolling back after too many in a row; saving with a policy for failed writes;
+resuming (only the run the checkpoint directory holds: `run_identity`), restoring or fine-tuning at the start; and
+stopping cleanly on preemption or Ctrl-C.
 
 `jaxtrain.run.train` calls these at the points of its loop; each is small enough to read on its own.
 """
@@ -10,15 +11,27 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import signal
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.experimental import multihost_utils
 
-from jaxtrain.checkpoint import Checkpoints, CheckpointWriteError, is_params_export, restore, restore_params
+from jaxtrain import run_identity
+from jaxtrain.checkpoint import (
+    CheckpointMismatchError,
+    Checkpoints,
+    CheckpointWriteError,
+    is_params_export,
+    newest_meta,
+    restore,
+    restore_params,
+)
 from jaxtrain.config import ConfigError, RunConfig
 from jaxtrain.distributed import to_host
 from jaxtrain.errors import UserInputError
@@ -53,19 +66,26 @@ class Progress:
 
     `data_offset`: batches skipped by rollbacks, so step k trains on batch k + data_offset (a global index, whatever
     the topology). `nonfinite_total`: updates skipped for a non-finite loss or gradient, over the run's whole life.
+    `history`: the run's deliberate turns, oldest first, each `run_identity.history_entry` (config changes allowed
+    on resume; the checkpoint a `train.restore` started it from), carried forward by every later checkpoint. `run`:
+    the run's name, the fingerprint of the config it started with (`run_identity.fingerprint`), kept through changes.
     """
 
     step: int = 0
     data_offset: int = 0
     nonfinite_total: int = 0
     rollbacks: int = 0
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    run: str = ""
 
-    def meta(self) -> dict[str, int]:
+    def meta(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> Progress:
-        return cls(**{f.name: int(meta.get(f.name, 0)) for f in dataclasses.fields(cls)})
+        counts = {name: int(meta.get(name, 0)) for name in ("step", "data_offset", "nonfinite_total", "rollbacks")}
+        run = meta.get("run") or run_identity.fingerprint(meta.get("config", {}))  # older checkpoints have none
+        return cls(**counts, history=list(meta.get("history", [])), run=run)
 
 
 class SkippedSteps:
@@ -98,16 +118,18 @@ def save_checkpoint(
     run: Setup, checkpoints: Checkpoints, state: Any, progress: Progress, log: Callable[[str], None]
 ) -> None:
     """Start an asynchronous save. A failed write stops the run (`checkpoint_failure=stop`) or is logged and the
-    next save tries again (`continue`); the final save must succeed either way."""
-    meta = {**progress.meta(), "config": _as_json(run.cfg)}
+    next save tries again (`continue`); the final save must succeed either way. With several processes a failed write
+    always stops the job: its other processes are waiting for the failed one in Orbax's barriers."""
+    meta = {**progress.meta(), "config": run_identity.config_json(run.cfg)}
     final = progress.step == run.cfg.train.steps
+    stop = run.cfg.train.checkpoint_failure == "stop" or jax.process_count() > 1
     for _ in range(2):  # a second try when the failure reported was the previous save's
         try:
             checkpoints.save(progress.step, run.plan.state_in_model_order(state), meta)
             return
         except CheckpointWriteError as err:
             this_save = err.step == progress.step
-            if run.cfg.train.checkpoint_failure == "stop" or (final and this_save):
+            if stop or (final and this_save):
                 raise
             log(f"warning: {err} Training continues (checkpoint_failure=continue).")
             if this_save:
@@ -132,7 +154,7 @@ def roll_back(
             "or set rollback_after=0 to keep skipping."
         )
     checkpoints.wait()
-    found = checkpoints.restore_latest(run.plan.abstract_model_state())
+    found, _ = _restore_latest(run, checkpoints)
     if found is None:
         raise Diverged(f"{where} and no checkpoint in {checkpoints.directory} restores.")
     restored, meta = found
@@ -162,20 +184,81 @@ def open_checkpoints(cfg: RunConfig) -> Checkpoints | None:
     return Checkpoints(t.checkpoint_dir, t.checkpoint_every, t.checkpoint_keep, t.checkpoint_keep_every)
 
 
+def check_resume(cfg: RunConfig) -> str:
+    """The name of the run `cfg` continues in `train.checkpoint_dir`, or starts. Raises `RunIdentityError` if the
+    newest checkpoint's config makes it another run, and `ConfigError` for an unknown key in
+    `train.allow_config_change`: cheap (only JSON is read), so before anything compiles. `initial_state` checks each
+    checkpoint it tries again."""
+    run_identity.allowed_changes(cfg)
+    newest = newest_meta(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
+    if newest is None:
+        return run_identity.fingerprint(run_identity.config_json(cfg))
+    run_identity.check(*newest, cfg)
+    return Progress.from_meta(newest[1]).run
+
+
 def initial_state(run: Setup, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> tuple[Any, Progress]:
-    """The newest checkpoint in the run's directory, else `train.restore`, else a fresh init; and where it stands."""
+    """The newest checkpoint in the run's directory, else `train.restore`, else a fresh init; and where it stands
+    (a new run, also one restored from another's checkpoint, has the fingerprint of its own config for a name)."""
     plan, cfg = run.plan, run.cfg
-    found = checkpoints.restore_latest(plan.abstract_model_state()) if checkpoints else None
-    if found is None and cfg.train.restore and is_params_export(cfg.train.restore):
-        return _fine_tune(run, log), Progress()
-    if found is None and cfg.train.restore:
-        found = restore(cfg.train.restore, plan.abstract_model_state())
-    if found is None:
-        return plan.init_state(run.optimizer, cfg.train.seed), Progress()
-    state, meta = found
+    found, changed = _restore_latest(run, checkpoints) if checkpoints else (None, {})
+    if found is not None:
+        state, meta = found
+        return plan.state_from_model_order(state), _resumed(cfg, Progress.from_meta(meta), changed, log)
+    new_run = run_identity.fingerprint(run_identity.config_json(cfg))
+    if cfg.train.restore and is_params_export(cfg.train.restore):
+        return _fine_tune(run, log), Progress(run=new_run)
+    if cfg.train.restore:
+        state, progress = _restore_step(run, log)
+        return state, dataclasses.replace(progress, run=new_run)
+    return plan.init_state(run.optimizer, cfg.train.seed), Progress(run=new_run)
+
+
+def _restore_latest(run: Setup, checkpoints: Checkpoints) -> tuple[tuple[Any, dict] | None, dict[str, tuple]]:
+    """`Checkpoints.restore_latest` for this run: each candidate's config is checked (`run_identity.check`), and a
+    checkpoint whose arrays do not fit the model stops the run too. Also returns the changes allowed in the one
+    restored."""
+    changed: dict[str, tuple] = {}
+
+    def accept(step_dir: Path, meta: dict[str, Any]) -> None:
+        changed.clear()
+        changed.update(run_identity.check(step_dir, meta, run.cfg))
+
+    try:
+        return checkpoints.restore_latest(run.plan.abstract_model_state(), accept), changed
+    except CheckpointMismatchError as err:
+        raise run_identity.does_not_fit(checkpoints.directory, err) from err
+
+
+def _resumed(cfg: RunConfig, progress: Progress, changed: dict[str, tuple], log: Callable[[str], None]) -> Progress:
+    """`progress` with the allowed config changes recorded in its history; says what it resumes."""
+    if changed:
+        progress.history.append(run_identity.history_entry(progress.step, changed))
+        log(
+            f"resuming at step {progress.step} with changes train.allow_config_change allows: "
+            f"{run_identity.describe_changes(changed)} (recorded in the run's history)"
+        )
+    else:
+        log(f"resuming at step {progress.step} from a checkpoint")
+    unchanged = sorted(
+        k for k in run_identity.allowed_changes(cfg) - changed.keys() if run_identity.defines_trajectory(k)
+    )
+    if unchanged:
+        log(f"note: train.allow_config_change names {', '.join(unchanged)}, equal to the checkpoint's")
+    return progress
+
+
+def _restore_step(run: Setup, log: Callable[[str], None]) -> tuple[Any, Progress]:
+    """The state and progress of the training checkpoint at `train.restore` (another run's step directory), as a new
+    run's start: its history records where it came from and the config keys it changes."""
+    source = Path(run.cfg.train.restore).absolute()
+    state, meta = restore(source, run.plan.abstract_model_state())
     progress = Progress.from_meta(meta)
-    log(f"resuming at step {progress.step} from a checkpoint")
-    return plan.state_from_model_order(state), progress
+    changed = run_identity.differences(meta.get("config", {}), run.cfg)
+    progress.history.append(run_identity.history_entry(progress.step, changed, restored_from=str(source)))
+    also = f", changing {run_identity.describe_changes(changed)}" if changed else ""
+    log(f"starting a new run from step {progress.step} of {source}{also}")
+    return run.plan.state_from_model_order(state), progress
 
 
 def _fine_tune(run: Setup, log: Callable[[str], None]) -> Any:
@@ -186,16 +269,22 @@ def _fine_tune(run: Setup, log: Callable[[str], None]) -> Any:
     return plan.init_state(run.optimizer, run.cfg.train.seed, params)
 
 
-def _as_json(cfg: RunConfig) -> dict[str, Any]:
-    return {**dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model)}
+class StopRequest:
+    """The signal (SIGTERM or SIGINT) that asked the run to stop, once one has."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    def is_set(self) -> bool:
+        return self.signum is not None
 
 
-def preemption_requested(sigterm: threading.Event, step: int) -> bool:
-    """Whether to save and stop after `step`. One process: SIGTERM was received. Several: JAX's preemption sync
-    point, which every process answers alike at the same step (a SIGTERM reaches hosts at different moments, and a
-    save is a collective)."""
+def preemption_requested(request: StopRequest, step: int) -> bool:
+    """Whether to save and stop after `step`. One process: SIGTERM or SIGINT was received. Several: JAX's preemption
+    sync point, which every process answers alike at the same step (a signal reaches hosts at different moments,
+    and a save is a collective)."""
     if jax.process_count() == 1:
-        return sigterm.is_set()
+        return request.is_set()
     try:
         return multihost_utils.reached_preemption_sync_point(step)
     except RuntimeError:  # jax.distributed was started without its preemption service
@@ -203,15 +292,29 @@ def preemption_requested(sigterm: threading.Event, step: int) -> bool:
 
 
 @contextlib.contextmanager
-def sigterm_flag():
-    """A flag set by SIGTERM while inside (the handler is restored after). Never set off the main thread, nor with
-    several processes: there JAX's preemption notifier owns SIGTERM (`preemption_requested`)."""
-    flag = threading.Event()
-    if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
-        yield flag
+def stop_signals() -> Iterator[StopRequest]:
+    """Inside, SIGTERM (preemption) and SIGINT (Ctrl-C) ask the loop to finish its step, save and stop
+    (`preemption_requested`); a second Ctrl-C exits at once, status 130, without saving. The handlers are restored
+    after. Only on the main thread. With several processes JAX's preemption notifier owns SIGTERM, and a SIGINT is
+    passed on to it as a SIGTERM, so that every process stops after the same step."""
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
         return
-    previous = signal.signal(signal.SIGTERM, lambda *_: flag.set())
+    several = jax.process_count() > 1
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if request.is_set() and signum == signal.SIGINT:
+            print("error: interrupted again: exiting now, without saving", file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGINT)
+        request.signum = request.signum or signum
+        if several:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    handled = (signal.SIGINT,) if several else (signal.SIGTERM, signal.SIGINT)
+    previous = {signum: signal.signal(signum, on_signal) for signum in handled}
     try:
-        yield flag
+        yield request
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -9,9 +9,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
-import threading
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxtrain import run_lock
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.comm import ALGORITHMS, GradientSync
 from jaxtrain.comm_report import communication_report
@@ -28,7 +30,7 @@ from jaxtrain.data import Dataset, global_batch, make_dataset, model_data_args
 from jaxtrain.distributed import describe_processes, to_host
 from jaxtrain.flops import peak_flops
 from jaxtrain.mesh import build_mesh, describe_mesh, parse_layout
-from jaxtrain.metrics import MetricsLog, tensorboard_writer_class
+from jaxtrain.metrics import MetricsLog, check_outputs, tensorboard_writer_class
 from jaxtrain.optim import make_optimizer
 from jaxtrain.pipeline import Pipeline, make_pipeline, stacked_layer_count
 from jaxtrain.plan import (
@@ -43,12 +45,14 @@ from jaxtrain.recovery import (
     Preempted,
     Progress,
     SkippedSteps,
+    StopRequest,
+    check_resume,
     initial_state,
     open_checkpoints,
     preemption_requested,
     roll_back,
     save_checkpoint,
-    sigterm_flag,
+    stop_signals,
 )
 from jaxtrain.rules import ShardingRules
 from jaxtrain.step import GradFn, accumulate_gradients, eval_step, replica_gradients, value_and_grad
@@ -295,47 +299,55 @@ def train(
     `on_metrics` receives each logged step's record, `{"step": ..., "loss": ..., ...}`, as it is written to
     `train.metrics_file` (e.g. to redraw a plot in a notebook).
 
-    With `train.checkpoint_dir`, it resumes from the newest checkpoint there and saves every `checkpoint_every`
-    steps and at the end; on SIGTERM it finishes the step, saves, and raises `Preempted`. After `rollback_after`
-    skipped (non-finite) updates in a row it restores the newest checkpoint and skips the batches since. With
-    several processes, process 0 logs, writes the metrics (file, TensorBoard, `on_metrics`); every process trains
-    and checkpoints its shards.
+    With `train.checkpoint_dir`, it holds that directory's lock (`run_lock`: one writer at a time), resumes from the
+    newest checkpoint there if its config defines the same run (`run_identity`; else `RunIdentityError`, before
+    anything is written), and saves every `checkpoint_every` steps and at the end; on SIGTERM or SIGINT it finishes
+    the step, saves, and raises `Preempted`. After `rollback_after` skipped (non-finite) updates in a row it restores
+    the newest checkpoint and skips the batches since. With several processes, process 0 logs, writes the metrics
+    (file, TensorBoard, `on_metrics`); every process trains and checkpoints its shards.
     """
     lead = jax.process_index() == 0
     log = log if lead else lambda *_: None
     if lead and cfg.train.tensorboard_dir:
         tensorboard_writer_class()  # a missing tensorboardX is an error now, not after compiling
-    run = setup(cfg, log, devices)
-    checkpoints = open_checkpoints(cfg)
-    try:
-        state, progress = initial_state(run, checkpoints, log)
-        peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
-        log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
-        sink = (
-            MetricsLog(
-                cfg.train.metrics_file or None,
-                cfg.train.steps,
-                cfg.train.progress,
-                tensorboard_dir=cfg.train.tensorboard_dir or None,
-                on_record=on_metrics,
-            )
-            if lead
-            else MetricsLog(None, cfg.train.steps, stream=None)  # the other processes train silently
-        )
-        recorder = Recorder(run, peak, sink)
-        with recorder, sigterm_flag() as sigterm:
-            state, preempted = _loop(run, state, progress, checkpoints, recorder, sigterm, log)
-        if checkpoints:
-            checkpoints.wait()
-    finally:
-        if checkpoints:
-            checkpoints.close()
+    with run_lock.holding(cfg.train.checkpoint_dir, log):  # one writer per checkpoint directory, from start to exit
+        # Refused before anything compiles: a resume of another run's checkpoints, metrics into another run's files.
+        run_name = check_resume(cfg)
+        if lead:
+            check_outputs(cfg.train.metrics_file, cfg.train.tensorboard_dir, run_name)
+        run = setup(cfg, log, devices)
+        with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
+            state, progress = initial_state(run, checkpoints, log)
+            peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
+            log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
+            sink = _metrics_sink(cfg, lead, on_metrics, progress)
+            with Recorder(run, peak, sink) as recorder, stop_signals() as stop:
+                state, preempted = _loop(run, state, progress, checkpoints, recorder, stop, log)
+                if checkpoints:
+                    checkpoints.wait()  # a second Ctrl-C here still exits at once
     if preempted:
-        raise Preempted(progress.step)
+        raise Preempted(progress.step, stop.signum or signal.SIGTERM)
 
     summary = {**recorder.summary(), "nonfinite_total": progress.nonfinite_total, "rollbacks": progress.rollbacks}
     log("done: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return {**summary, "history": recorder.history, "state": state, "run": run}
+
+
+def _metrics_sink(cfg: RunConfig, lead: bool, on_metrics: Callable | None, progress: Progress) -> MetricsLog:
+    """Where process 0 writes the metrics of the run `progress` names, from its step on (the other processes train
+    silently)."""
+    if not lead:
+        return MetricsLog(None, cfg.train.steps, stream=None)
+    t = cfg.train
+    return MetricsLog(
+        t.metrics_file or None,
+        t.steps,
+        t.progress,
+        tensorboard_dir=t.tensorboard_dir or None,
+        on_record=on_metrics,
+        run=progress.run,
+        start=progress.step,
+    )
 
 
 def _loop(
@@ -344,7 +356,7 @@ def _loop(
     progress: Progress,
     checkpoints: Checkpoints | None,
     recorder: Recorder,
-    sigterm: threading.Event,
+    stop: StopRequest,
     log: Callable[[str], None],
 ) -> tuple[Any, bool]:
     """Train from `progress.step` to `train.steps` or a preemption; returns the last state and whether it was
@@ -364,13 +376,14 @@ def _loop(
             pending = None
         if done < steps:
             batch = run.batch("train", done + progress.data_offset)  # built on the host while the device computes
-        preempted = preemption_requested(sigterm, done)
+        preempted = preemption_requested(stop, done)
         save = checkpoints is not None and (checkpoints.due(done, steps) or preempted)
         bad_step = skipped.read(keep_newest=not save)  # a save waits for the step anyway: read its flag too
         if bad_step is not None:
             state = roll_back(run, checkpoints, progress, bad_step, rollbacks, log)
             batch, pending = run.batch("train", progress.step + progress.data_offset), None
             recorder.start(progress.step)
+            recorder.sink.rewind(progress.step)
             continue  # if preempted too, stop: the checkpoint just restored is on disk, and a rerun resumes there
         extra = {"nonfinite_total": progress.nonfinite_total}
         if done % t.eval_every == 0 or done == steps:

@@ -1,6 +1,7 @@
 """Checkpoints: a resumed run equals an uninterrupted one; a checkpoint restores onto other meshes; bad paths and
 mismatched models are clear errors."""
 
+import hashlib
 import json
 import shutil
 import signal
@@ -16,18 +17,29 @@ import pytest
 from jaxtrain.checkpoint import CheckpointError, Checkpoints, restore
 from jaxtrain.config import apply_overrides, default_config
 from jaxtrain.run import build, train
+from jaxtrain.run_identity import RunIdentityError
+from jaxtrain.run_lock import RunLockedError
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["batch_size=8", "seq_len=32", "warmup_steps=1", "learning_rate=0.01", "steps=6", "log_every=1"]
 RUN += ["eval_every=1000", "progress=false", "checkpoint_every=2"]
 
 
+def digest(directory: Path) -> dict[str, str]:
+    """Every file under `directory` by relative path, with the SHA-256 of its bytes."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
 def config(mesh, directory, extra=()):
     return apply_overrides(default_config("gpt-tiny"), [*RUN, f"mesh={mesh}", f"checkpoint_dir={directory}", *extra])
 
 
-def run_train(mesh, directory, devices=8, extra=()):
-    result = train(config(mesh, directory, extra), log=lambda *_: None, devices=jax.devices()[:devices])
+def run_train(mesh, directory, devices=8, extra=(), log=lambda *_: None):
+    result = train(config(mesh, directory, extra), log=log, devices=jax.devices()[:devices])
     return {r["step"]: r["loss"] for r in result["history"]}, result["state"]
 
 
@@ -91,38 +103,152 @@ def test_checkpoint_of_another_model_is_refused(uninterrupted):
 
 
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(uninterrupted, tmp_path, caplog):
+    """Step 6's array data cut in half: step 4 restores, with a one-line warning naming step 6 and the cause, and step
+    6 is moved aside, bytes intact, for the run will save a step 6 of its own."""
     directory = tmp_path / "ckpt"
     shutil.copytree(uninterrupted[0], directory)
-    for data in (directory / "6" / "state").rglob("d/*"):  # the array data files
-        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    truncate_arrays(directory / "6")
+    truncated = digest(directory / "6")
     run = build(config("data=8", directory), log=lambda *_: None)
     with Checkpoints(directory, 2) as checkpoints:
         state, meta = checkpoints.restore_latest(run.plan.abstract_model_state())
-    assert meta["step"] == 4
-    assert f"skipping checkpoint {directory / '6'}" in caplog.text
+        assert meta["step"] == 4 and checkpoints.steps() == [2, 4]
+    [skipped, moved] = [r.getMessage() for r in caplog.records]
+    assert skipped.startswith(f"skipping checkpoint {directory / '6'}, which does not read back: ")
+    assert "OUT_OF_RANGE" in skipped and "\n" not in skipped and len(skipped) < 600  # not TensorStore's whole spec
+    [aside] = directory.glob("6.unreadable-*")
+    assert moved.startswith(f"moved unreadable checkpoint {directory / '6'} to {aside}")
+    assert digest(aside) == truncated
 
 
-def test_sigterm_saves_and_resume_continues(tmp_path):
-    """The train command, stopped by SIGTERM mid-run, saves, exits with 143, and the same command resumes."""
-    metrics, directory = tmp_path / "m.jsonl", tmp_path / "ckpt"
+def truncate_arrays(step_dir: Path) -> None:
+    for data in (step_dir / "state").rglob("d/*"):  # the array data files
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def test_a_refusal_stops_the_search_and_nothing_is_moved(uninterrupted, tmp_path):
+    """A checkpoint refused by `accept` (another run's) is not skipped like an unreadable one: the search stops, and
+    the unreadable newer one stays where it is."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(uninterrupted[0], directory)
+    truncate_arrays(directory / "6")
+
+    def accept(path, meta):
+        if path.name == "4":
+            raise RunIdentityError(f"{path} is another run's")
+
+    run = build(config("data=8", directory), log=lambda *_: None)
+    with Checkpoints(directory, 2) as checkpoints:
+        with pytest.raises(RunIdentityError, match="4 is another run's"):
+            checkpoints.restore_latest(run.plan.abstract_model_state(), accept)
+        assert checkpoints.steps() == [2, 4, 6]
+    assert not list(directory.glob("*.unreadable-*"))
+
+
+def test_no_checkpoint_that_reads_back_is_an_error(uninterrupted, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(uninterrupted[0], directory)
+    for step in ("2", "4", "6"):
+        truncate_arrays(directory / step)
+    before = digest(directory)
+    with pytest.raises(CheckpointError, match="none of the checkpoints in .* reads back \\(steps 2, 4, 6;"):
+        run_train("data=8", directory)
+    assert digest(directory) == before
+
+
+def test_restore_from_a_training_step_continues_that_run(uninterrupted, tmp_path):
+    """--restore runs/x/ckpt/4 into a new checkpoint directory: a new run that starts at step 4 with that step's
+    optimizer state and data position, so its losses and final state are the original run's; its history says
+    where it came from, and the original directory is untouched."""
+    source, losses, final = uninterrupted
+    before = digest(source)
+    directory = tmp_path / "new"
+    logs = []
+    resumed, state = run_train("data=2,fsdp=2,tensor=2", directory, extra=[f"restore={source / '4'}"], log=logs.append)
+    assert f"starting a new run from step 4 of {source / '4'}" in "\n".join(logs)
+    assert sorted(resumed) == [5, 6]
+    np.testing.assert_allclose([resumed[5], resumed[6]], [losses[5], losses[6]], rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(final)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    with Checkpoints(directory, 2) as checkpoints:
+        assert checkpoints.steps() == [6]
+    _, meta = restore(
+        directory / "6", build(config("data=8", directory), log=lambda *_: None).plan.abstract_model_state()
+    )
+    assert meta["history"] == [{"step": 4, "restored_from": str(source / "4"), "changed": {}}]
+    assert digest(source) == before
+
+
+def train_command(directory: Path, metrics: Path, steps: int = 20) -> list[str]:
+    """The train command of `config("data=8", directory, [f"steps={steps}"])`, checkpointing every 5 steps."""
     command = [sys.executable, str(ROOT / "scripts" / "train.py"), "--simulated-devices", "8", "--model", "gpt-tiny"]
-    command += ["--mesh", "data=8", "--steps", "40", "--batch-size", "8", "--seq-len", "32", "--log-every", "1"]
-    command += ["--checkpoint-dir", str(directory), "--checkpoint-every", "1000", "--no-progress"]
-    command += ["--metrics-file", str(metrics)]
+    command += ["--mesh", "data=8", "--steps", str(steps), "--batch-size", "8", "--seq-len", "32", "--log-every", "1"]
+    command += ["--checkpoint-dir", str(directory), "--checkpoint-every", "5", "--no-progress"]
+    return [*command, "--metrics-file", str(metrics), "warmup_steps=1", "learning_rate=0.01", "eval_every=1000"]
+
+
+def start_and_wait(command: list[str], ready) -> subprocess.Popen:
+    """Start `command` and return once `ready()` holds."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
+    while time.time() < deadline and not ready():
+        assert process.poll() is None, process.communicate()[1]
+        time.sleep(0.05)
+    return process
+
+
+def has_rows(metrics: Path, rows: int) -> bool:
+    return metrics.exists() and len(metrics.read_text().splitlines()) >= rows
+
+
+def logged(metrics: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), steps  # each step once, in order
+    return {r["step"]: r["loss"] for r in records}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+def test_a_signal_saves_and_the_rerun_continues_exactly(signum, tmp_path):
+    """The train command, stopped by Ctrl-C (SIGINT; a scheduler's SIGTERM alike), finishes its step, saves, and exits
+    with 128 + the signal's number without a traceback; the same command resumes to the losses of an uninterrupted
+    run. While it trains, a second run into its checkpoint directory is refused at start, naming it, and the first
+    one's checkpoints are untouched."""
+    metrics, directory = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    process = start_and_wait(train_command(directory, metrics), lambda: (directory / "5").is_dir())
+    complete = {p.name: digest(p) for p in directory.iterdir() if p.name.isdigit()}
+    with pytest.raises(RunLockedError, match=f"is in use: pid {process.pid} on host"):
+        run_train("data=8", directory, extra=["steps=20"], log=lambda line: pytest.fail(f"got as far as: {line}"))
+    kept = {name: digest(directory / name) for name in complete if (directory / name).is_dir()}
+    assert kept and kept == {name: complete[name] for name in kept}  # (retention may have removed an old one)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 143, stderr
-    with Checkpoints(directory, 1000) as checkpoints:
-        saved = checkpoints.steps()
-    assert len(saved) == 1 and 3 <= saved[0] < 40
-    resumed = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert process.returncode == 128 + signum, stderr
+    assert "Traceback" not in stderr
+    stopped = int(stderr.split(f"stopped by {signal.Signals(signum).name} after step ")[1].split(",")[0])
+    with Checkpoints(directory, 5) as checkpoints:
+        assert stopped in checkpoints.steps() and stopped < 20
+    assert max(logged(metrics)) == stopped
+
+    resumed = subprocess.run(train_command(directory, metrics), capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert steps[-(40 - saved[0]) :] == list(range(saved[0] + 1, 41))  # picked up right after the saved step
+    assert f"resuming at step {stopped}" in resumed.stdout
+    losses, reference = logged(metrics), run_train("data=8", tmp_path / "reference", extra=["steps=20"])[0]
+    assert sorted(losses) == list(range(1, 21))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-6), step
+
+
+@pytest.mark.slow  # the first Ctrl-C's save is in the default suite
+def test_a_second_ctrl_c_exits_at_once(tmp_path):
+    metrics, directory = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    process = start_and_wait(train_command(directory, metrics, steps=400), lambda: has_rows(metrics, 3))
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # two signals at once are one for Python's handler
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130 and "Traceback" not in stderr
+    assert "interrupted again: exiting now, without saving" in stderr
 
 
 @pytest.mark.slow  # resume onto another mesh and a pipeline stays in the default suite

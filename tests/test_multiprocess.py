@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,9 +15,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from launch_local import commands, free_port  # noqa: E402
+from test_fault_tolerance import without_dac_override  # noqa: E402
 
 from jaxtrain.config import apply_overrides, default_config  # noqa: E402
 from jaxtrain.run import train  # noqa: E402
+from jaxtrain.run_lock import LOCK_NAME  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MESH = "data=2,fsdp=2,tensor=2"
@@ -142,9 +145,11 @@ def test_a_process_with_the_wrong_count_fails_fast():
         coordinator.wait()
 
 
-def test_sigterm_to_every_process_saves_at_one_step(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_a_signal_to_every_process_saves_at_one_step(signum, tmp_path):
     """Preemption of a multi-process job: JAX's preemption notifier (not our handler) catches SIGTERM, every process
-    agrees on the step to stop after, saves it, and exits with 143."""
+    agrees on the step to stop after, saves it, and exits with 143. Ctrl-C (SIGINT to each process) is passed on to
+    the notifier: the same, with 130."""
     directory, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     args = [*ARGS, "--mesh", "data=8", "--steps", "400", "--checkpoint-dir", str(directory)]
     args += ["--checkpoint-every", "1000", "--metrics-file", str(metrics)]
@@ -156,9 +161,43 @@ def test_sigterm_to_every_process_saves_at_one_step(tmp_path):
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.2)
     for process in processes:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)
     outputs = [process.communicate(timeout=120)[0] for process in processes]
-    assert [p.returncode for p in processes] == [143, 143], outputs[0][-2000:]
+    assert [p.returncode for p in processes] == [128 + signum] * 2, outputs[0][-2000:]
     saved = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
     assert len(saved) == 1 and saved[0] < 400
-    assert all(f"stopped by SIGTERM after step {saved[0]}" in out for out in outputs)
+    assert all(f"stopped by {signal.Signals(signum).name} after step {saved[0]}" in out for out in outputs)
+    assert not any("Traceback" in out for out in outputs)
+
+
+@pytest.mark.slow  # two processes compile and fail; the one-process case is in the default suite
+def test_an_unwritable_directory_ends_every_process_with_74_within_30_s(tmp_path):
+    """2 processes; the checkpoint directory is read-only once the run holds its lock, so process 0 cannot create
+    the first save's step directory while process 1 waits for it in Orbax's barrier: both exit with status 74
+    within 30 s of the error, process 1 naming process 0's failure."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / LOCK_NAME).touch()
+    directory.chmod(0o555)
+    args = [*ARGS, "--mesh", "data=8", "--steps", "8", "--checkpoint-dir", str(directory), "--checkpoint-every", "2"]
+    runs = [subprocess.Popen(without_dac_override(c), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             cwd=ROOT, start_new_session=True) for c in commands(2, 4, free_port(), args)]  # fmt: skip
+    lines: list[tuple[float, str]] = []
+    readers = [threading.Thread(target=lambda r=r: lines.extend((time.monotonic(), x) for x in r.stderr)) for r in runs]
+    for reader in readers:
+        reader.start()
+    try:
+        statuses = [run.wait(timeout=180) for run in runs]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+    ended = time.monotonic()
+    for reader in readers:
+        reader.join()
+    stderr = "".join(line for _, line in lines)
+    assert statuses == [74, 74], stderr[-3000:]
+    failed = f"saving checkpoint {directory / '2'} failed (PermissionError: [Errno 13] Permission denied"
+    assert f"error: {failed}" in stderr and f"error: process 0: {failed}" in stderr
+    reported = min(t for t, line in lines if line.startswith("error:"))
+    assert ended - reported <= 30, ended - reported

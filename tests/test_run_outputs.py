@@ -2,17 +2,20 @@
 scalars (read back from the event file with a reader written here), and each record handed to a callback."""
 
 import json
+import shutil
 import struct
 import sys
 
 import jax
 import pytest
 from helpers import TINY
+from test_checkpoint import config
 
 from jaxtrain.cli import _run_config, _train_parser
 from jaxtrain.config import apply_overrides, default_config
 from jaxtrain.metrics import MetricsError
 from jaxtrain.run import train
+from jaxtrain.run_identity import config_json, fingerprint
 
 
 def crc32c(data: bytes) -> int:
@@ -76,7 +79,7 @@ def test_tensorboard_scalars_equal_the_jsonl(trained):
     out, _, records, _ = trained
     jsonl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     scalars = tensorboard_scalars(out / "tb")
-    expected = {(k, r["step"]): v for r in jsonl for k, v in r.items() if k != "step"}
+    expected = {(k, r["step"]): v for r in jsonl for k, v in r.items() if k not in ("step", "run")}
     assert {"loss", "val_loss", "tokens_per_sec", "mfu", "grad_norm"} <= {k for k, _ in expected}
     assert scalars.keys() == expected.keys()
     for key, value in expected.items():
@@ -114,3 +117,54 @@ def test_missing_tensorboardx_is_a_clear_error_before_compiling(monkeypatch, tmp
     cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, f"tensorboard_dir={tmp_path}"])
     with pytest.raises(MetricsError, match=r"pip install 'jaxtrain\[tensorboard\]'"):
         train(cfg, log=lambda *_: pytest.fail("setup started"))
+
+
+def test_a_resumed_run_drops_the_rows_it_redoes(tmp_path):
+    """Crashed after step 4's checkpoint with rows up to 6 written: the rerun replaces rows 5 and 6, so the file holds
+    each step once, and TensorBoard is told to purge the events from step 5 on."""
+    directory, metrics, board = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "tb"
+    outputs = [f"metrics_file={metrics}", f"tensorboard_dir={board}"]
+    first = train(config("data=8", directory, outputs), log=lambda *_: None)["history"]
+    shutil.rmtree(directory / "6")
+    second = train(config("data=8", directory, outputs), log=lambda *_: None)["history"]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    name = fingerprint(config_json(config("data=8", directory)))
+    assert rows == [{**r, "run": name} for r in first[:4] + second]
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    events = [Event.FromString(r) for path in board.glob("events.out.tfevents.*") for r in read_tfrecords(path)]
+    assert [e.step for e in events if e.session_log.status == SessionLog.START] == [5]
+
+
+def test_a_rerun_replaces_its_own_rows_and_never_touches_another_runs(tmp_path):
+    """A run without checkpoints, run again (as after a kill before its first checkpoint): it starts at step 0 and
+    replaces its own rows. A run of another config is refused before compiling, and the file is left as it was, as
+    is a file of rows that name no run, or of lines that are not metrics at all."""
+    metrics = tmp_path / "m.jsonl"
+    outputs = ["steps=3", "log_every=1", "eval_every=2", "eval_batches=1", "progress=false", "mesh=data=8"]
+    cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, *outputs, f"metrics_file={metrics}"])
+    train(cfg, log=lambda *_: None)
+    with open(metrics, "a") as f:
+        f.write('{"step": 4, "lo')  # a write cut short by the kill
+    train(cfg, log=lambda *_: None)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+
+    name, before = fingerprint(config_json(cfg)), metrics.read_text()
+    other = apply_overrides(cfg, ["seed=1"])
+    with pytest.raises(MetricsError) as refused:
+        train(other, log=lambda line: pytest.fail(f"got as far as: {line}"))
+    assert str(refused.value).startswith(
+        f"metrics file {metrics} holds 3 rows (steps 1-3) of another run ({name}; this one is "
+        f"{fingerprint(config_json(other))}), which this run will not mix with nor drop. Give another --metrics-file"
+    )
+    assert metrics.read_text() == before
+
+    for content, message in [
+        ('{"step": 1, "loss": 5.6}\n', "holds a row \\(step 1\\) of another run \\(unnamed;"),
+        ("step,loss\n1,5.6\n", "line 1, is not a metrics record \\('step,loss'\\)"),
+    ]:
+        metrics.write_text(content)
+        with pytest.raises(MetricsError, match=message):
+            train(cfg, log=lambda line: pytest.fail(f"got as far as: {line}"))
+        assert metrics.read_text() == content

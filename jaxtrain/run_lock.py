@@ -52,23 +52,29 @@ class RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = self._open_locked()
+            left = _read(self.fd)
+            if left and left.get("host") != socket.gethostname():
+                self._refuse_another_hosts(left)
+            if left:
+                log(
+                    f"warning: taking over the lock of {self.path.parent} from {describe(left)}, which ended without "
+                    "releasing it (killed or crashed); the checkpoints it completed are kept, an unfinished save is not"
+                )
+            _write(
+                self.fd, {"host": socket.gethostname(), "pid": os.getpid(), "started": _now(), "command": _command()}
+            )
         except OSError as err:
+            self.release()
             raise CheckpointWriteError(f"cannot use checkpoint directory {self.path.parent}: {err}.", None) from err
-        left = _read(self.fd)
-        if left and left.get("host") != socket.gethostname():
-            os.close(self.fd)  # unlocked, the file left as it was
-            self.fd = None
-            raise RunLockedError(
-                f"{self.path} says {describe(left)} holds checkpoint directory {self.path.parent}, and a lock taken on "
-                "another host cannot be checked from here. If that run has ended (its host is down, or it was killed), "
-                f"remove {self.path} and rerun; if it is running, give this run another --checkpoint-dir."
-            )
-        if left:
-            log(
-                f"warning: taking over the lock of {self.path.parent} from {describe(left)}, which ended without "
-                "releasing it (killed or crashed); the checkpoints it completed are kept, its unfinished save is not"
-            )
-        _write(self.fd, {"host": socket.gethostname(), "pid": os.getpid(), "started": _now(), "command": _command()})
+
+    def _refuse_another_hosts(self, left: dict[str, Any]) -> None:
+        os.close(self.fd)  # unlocked, and the file left as it was
+        self.fd = None
+        raise RunLockedError(
+            f"{self.path} says {describe(left)} holds checkpoint directory {self.path.parent}, and a lock taken on "
+            "another host cannot be checked from here. If that run has ended (its host is down, or it was killed), "
+            f"remove {self.path} and rerun; if it is running, give this run another --checkpoint-dir."
+        )
 
     def _open_locked(self) -> int:
         """A descriptor of the lock file with the flock held. A holder removes the file before unlocking it, so a

@@ -320,6 +320,9 @@ def describe_checkpoint(path: str | Path) -> str:
     lines = [f"run directory {path}", f"complete steps: {', '.join(map(str, steps)) or 'none'}"]
     if interrupted:
         lines.append(f"interrupted saves (incomplete, never restored): {', '.join(interrupted)}")
+    aside = sorted(p.name for p in path.glob("*.unreadable-*"))
+    if aside:
+        lines.append(f"moved aside, unreadable (never restored; delete when not needed): {', '.join(aside)}")
     if steps:
         lines += ["", f"newest step, {steps[-1]}:", _describe_step(path / str(steps[-1]))]
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain.checkpoint import CheckpointError, Checkpoints, restore
+from jaxtrain.checkpoint import CheckpointError, Checkpoints, describe_checkpoint, restore
 from jaxtrain.config import apply_overrides, default_config
 from jaxtrain.run import build, train
 from jaxtrain.run_identity import RunIdentityError
@@ -119,6 +119,9 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(uninterrupted, t
     [aside] = directory.glob("6.unreadable-*")
     assert moved.startswith(f"moved unreadable checkpoint {directory / '6'} to {aside}")
     assert digest(aside) == truncated
+    assert f"moved aside, unreadable (never restored; delete when not needed): {aside.name}" in describe_checkpoint(
+        directory
+    )
 
 
 def truncate_arrays(step_dir: Path) -> None:

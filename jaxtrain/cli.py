@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxtrain.errors import Accepts, UserInputError  # imports no JAX
+from jaxtrain.errors import CHECKPOINT_WRITE_FAILED_EXIT, Accepts, UserInputError  # imports no JAX
 
 if TYPE_CHECKING:  # jaxtrain modules are imported lazily here: JAX must see --simulated-devices before it starts
     from jaxtrain.config import RunConfig
@@ -52,9 +52,6 @@ FLAG_KEYS = {
 }
 
 
-# A checkpoint that could not be written (train.checkpoint_failure=stop, or the final save): EX_IOERR from
-# sysexits.h, so a wrapper can tell storage trouble (fix the disk, rerun: it resumes) from bad input (exit 2).
-CHECKPOINT_WRITE_FAILED_EXIT = 74
 BAD_INPUT_EXIT = 2  # as argparse's own
 UNEXPECTED_ERROR_EXIT = 1  # an error jaxtrain did not foresee: a bug, or bad input it does not check yet
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports Ctrl-C

@@ -147,7 +147,7 @@ def _all_keys(cfg: RunConfig) -> list[str]:
     return [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(cfg, s))]
 
 
-def _resolve_key(cfg: RunConfig, key: str) -> tuple[str, str]:
+def resolve_key(cfg: RunConfig, key: str) -> tuple[str, str]:
     """`n_layers` or `model.n_layers` -> ("model", "n_layers"); unknown keys list close matches."""
     full_keys = _all_keys(cfg)
     if "." in key and key in full_keys:
@@ -196,7 +196,7 @@ def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
         elif key == "mesh":
             top["mesh"] = value
         else:
-            section, name = _resolve_key(cfg, key)
+            section, name = resolve_key(cfg, key)
             changes[section][name] = _parse_value(value, getattr(cfg, section), name, f"{section}.{name}")
     parts = {section: _replace(getattr(cfg, section), given) for section, given in changes.items() if given}
     return dataclasses.replace(cfg, **top, **parts)

@@ -28,6 +28,12 @@ from typing import Any, ClassVar
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
+# A checkpoint that could not be written (train.checkpoint_failure=stop, or the final save): EX_IOERR from
+# sysexits.h, so a wrapper can tell storage trouble (fix the disk, rerun: it resumes) from bad input (exit 2). The
+# command line returns it, and so does every process of a job whose save failed elsewhere (save_failure.py).
+CHECKPOINT_WRITE_FAILED_EXIT = 74
+
+
 class UserInputError(ValueError):
     """A configuration, mesh, rule, data source or checkpoint that cannot work, with a message saying how to fix it."""
 

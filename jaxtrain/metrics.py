@@ -135,6 +135,12 @@ class MetricsLog:
 def check_outputs(path: str | None, tensorboard_dir: str | None, run: str) -> None:
     """Refuse (`MetricsError`) a metrics file or TensorBoard directory holding metrics of a run other than `run`;
     nothing is changed."""
+    if path and Path(path).is_dir():
+        raise MetricsError(
+            f"train.metrics_file={path} is a directory: give the path of a file, e.g. {path}/metrics.jsonl."
+        )
+    if tensorboard_dir and Path(tensorboard_dir).exists() and not Path(tensorboard_dir).is_dir():
+        raise MetricsError(f"train.tensorboard_dir={tensorboard_dir} is a file: give the path of a directory.")
     others = [record for _, record in _rows(Path(path))] if path and Path(path).is_file() else []
     others = [record for record in others if record.get("run") != run]
     if others:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.checkpoint import CheckpointError
-from jaxtrain.config import RunConfig, _resolve_key
+from jaxtrain.config import RunConfig, resolve_key
 
 # Keys that may differ between a checkpoint and the run resuming from it (any `rules.*` too): see the module's doc.
 FREE_KEYS = frozenset(
@@ -91,7 +91,7 @@ def allowed_changes(cfg: RunConfig) -> frozenset[str]:
     -> `optimizer.learning_rate`); an unknown key is a `ConfigError` listing close matches."""
     names = [name.strip() for name in cfg.train.allow_config_change.split(",") if name.strip()]
     return frozenset(
-        name if name in ("model_name", "mesh") or name.startswith("rules.") else ".".join(_resolve_key(cfg, name))
+        name if name in ("model_name", "mesh") or name.startswith("rules.") else ".".join(resolve_key(cfg, name))
         for name in names
     )
 

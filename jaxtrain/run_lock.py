@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxtrain.checkpoint import CheckpointWriteError
+from jaxtrain.checkpoint import CheckpointError, CheckpointWriteError
 from jaxtrain.errors import UserInputError
 
 LOCK_NAME = "jaxtrain.lock"
@@ -117,6 +117,11 @@ def holding(directory: str, log: Callable[[str], None] = print) -> Iterator[None
     if lock is None:
         yield
         return
+    if lock.path.parent.exists() and not lock.path.parent.is_dir():  # every process sees it: all stop alike
+        raise CheckpointError(
+            f"train.checkpoint_dir={directory} is a file, not a directory: give the path of a directory (it is created "
+            "if missing)."
+        )
     failure: Exception | None = None
     if jax.process_index() == 0:
         try:

@@ -18,8 +18,8 @@ import threading
 import jax
 from jax._src import distributed  # the coordination service's client, as Orbax's own signalling uses it
 
-# EX_IOERR (sysexits.h), what the command line returns for a CheckpointWriteError.
-EXIT_STATUS = 74
+from jaxtrain.errors import CHECKPOINT_WRITE_FAILED_EXIT
+
 _KEY = "jaxtrain/checkpoint_write_failed"
 _POLL_MS = 500
 
@@ -58,4 +58,4 @@ class SaveFailureBroadcast:
                 return  # this process raises its own error and exits as the command line says
             print(f"error: {message}", file=sys.stderr, flush=True)
             distributed.shutdown()  # meets the failing process in JAX's shutdown barrier
-            os._exit(EXIT_STATUS)
+            os._exit(CHECKPOINT_WRITE_FAILED_EXIT)

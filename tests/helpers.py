@@ -48,11 +48,6 @@ def curve(run: Setup, steps: int = 5, params=None) -> dict[str, np.ndarray]:
     return {key: np.array(values) for key, values in out.items()}
 
 
-def losses(run: Setup, steps: int = 5, params=None) -> np.ndarray:
-    """The first `steps` training losses of `run`, from its own initialisation or from `params` (model order)."""
-    return curve(run, steps, params)["loss"]
-
-
 def assert_curves_close(got: dict[str, np.ndarray], reference: dict[str, np.ndarray], rtol: float = 1e-5) -> None:
     """Losses and gradient norms step by step within `rtol`."""
     for key in ("loss", "grad_norm"):

@@ -32,7 +32,7 @@ from jaxtrain.checkpoint import (
     restore,
     restore_params,
 )
-from jaxtrain.config import ConfigError, RunConfig
+from jaxtrain.config import RunConfig
 from jaxtrain.distributed import to_host
 from jaxtrain.errors import UserInputError
 
@@ -177,8 +177,6 @@ def roll_back(
 def open_checkpoints(cfg: RunConfig) -> Checkpoints | None:
     """The run's checkpoint directory, if `train.checkpoint_dir` names one."""
     t = cfg.train
-    if t.checkpoint_failure not in ("stop", "continue"):
-        raise ConfigError(f"train.checkpoint_failure='{t.checkpoint_failure}': use stop or continue.")
     if not t.checkpoint_dir:
         return None
     return Checkpoints(t.checkpoint_dir, t.checkpoint_every, t.checkpoint_keep, t.checkpoint_keep_every)

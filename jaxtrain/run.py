@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from jaxtrain import run_lock
 from jaxtrain.checkpoint import Checkpoints
-from jaxtrain.comm import ALGORITHMS, GradientSync
+from jaxtrain.comm import GradientSync
 from jaxtrain.comm_report import communication_report
 from jaxtrain.config import ConfigError, RunConfig
 from jaxtrain.data import Dataset, global_batch, make_dataset, model_data_args
@@ -259,8 +259,6 @@ def _gradient_sync(cfg: RunConfig, plan: Plan) -> GradientSync | None:
     t = cfg.train
     if t.grad_sync in ("xla", "fused"):
         return None
-    if t.grad_sync not in ALGORITHMS:
-        raise ConfigError(f"train.grad_sync='{t.grad_sync}': use xla, fused, {', '.join(ALGORITHMS)}.")
     _check_pure_data_parallel(cfg, plan)
     # In mesh order, whatever the order of the batch rule: ppermute over several axes requires it.
     axes = tuple(a for a in plan.mesh.axis_names if a in plan.rules.batch_axes() and plan.mesh.shape[a] > 1)

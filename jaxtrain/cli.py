@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxtrain.errors import CHECKPOINT_WRITE_FAILED_EXIT, Accepts, UserInputError  # imports no JAX
+from jaxtrain.errors import CHECKPOINT_WRITE_FAILED_EXIT, UserInputError  # imports no JAX
+from jaxtrain.settings import Accepts
 
 if TYPE_CHECKING:  # jaxtrain modules are imported lazily here: JAX must see --simulated-devices before it starts
     from jaxtrain.config import RunConfig
@@ -236,7 +237,7 @@ def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argpars
     if args.simulated_devices is not None:
         use_simulated_devices(args.simulated_devices)
     enable_compilation_cache()
-    from jaxtrain.distributed import from_environment, initialize
+    from jaxtrain.training.distributed import from_environment, initialize
 
     initialize(
         from_environment(
@@ -276,9 +277,9 @@ def _run_config(args: argparse.Namespace) -> RunConfig | None:
 @command
 def train_main(argv: Sequence[str]) -> int:
     args = _train_args(argv, _train_parser())
-    from jaxtrain.checkpoint import CheckpointWriteError
-    from jaxtrain.recovery import Preempted
-    from jaxtrain.run import train
+    from jaxtrain.training.checkpoint import CheckpointWriteError
+    from jaxtrain.training.loop import train
+    from jaxtrain.training.recovery import Preempted
 
     try:
         cfg = _run_config(args)
@@ -304,7 +305,7 @@ def comm_main(argv: Sequence[str]) -> int:
         "sends per step per mesh axis and collective kind. Takes the flags of `jaxtrain train`.",
     )
     args = _train_args(argv, parser)
-    from jaxtrain.run import build, communication
+    from jaxtrain.training.setup import build, communication
 
     cfg = _run_config(args)
     if cfg is not None:
@@ -332,7 +333,7 @@ def plan_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--no-check", action="store_true", help="do not compile the step, even with enough devices")
     args = _train_args(argv, parser)
-    from jaxtrain.planner import plan_report
+    from jaxtrain.planner.estimate import plan_report
 
     cfg = _run_config(args)
     if cfg is not None:
@@ -345,7 +346,7 @@ def meshes_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="jaxtrain meshes", description="List the mesh layouts shipped in meshes/.")
     _debug_flag(parser)
     parser.parse_args(argv)
-    from jaxtrain.mesh import available_layouts, parse_layout
+    from jaxtrain.sharding.mesh import available_layouts, parse_layout
 
     for name in available_layouts():
         layout = parse_layout(name)
@@ -366,7 +367,7 @@ def inspect_main(argv: Sequence[str]) -> int:
     _debug_flag(parser)
     args = parser.parse_args(argv)
     _host_only()
-    from jaxtrain.checkpoint import describe_checkpoint
+    from jaxtrain.training.checkpoint import describe_checkpoint
 
     print(describe_checkpoint(args.path))
     return 0
@@ -384,7 +385,7 @@ def export_main(argv: Sequence[str]) -> int:
     _debug_flag(parser)
     args = parser.parse_args(argv)
     _host_only()
-    from jaxtrain.checkpoint import export_params
+    from jaxtrain.training.checkpoint import export_params
 
     out = export_params(args.step_dir, args.out_dir)
     print(f"wrote the params of {args.step_dir} to {out} (see: jaxtrain inspect {out})")

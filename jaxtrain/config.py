@@ -12,12 +12,13 @@ import difflib
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from jaxtrain.comm import ALGORITHMS, COMPRESSIONS
-from jaxtrain.data import PARTITIONS
-from jaxtrain.errors import ConfigError, Settings, UserInputError, accepts_of, problem, scalar_types, setting
-from jaxtrain.schedules import SCHEDULES
-from jaxtrain.updates import POLICIES
-from models import resolve_model
+from jaxtrain.data.datasets import PARTITIONS
+from jaxtrain.errors import ConfigError, UserInputError
+from jaxtrain.parallel.grad_sync import ALGORITHMS, COMPRESSIONS
+from jaxtrain.parallel.schedules import SCHEDULES
+from jaxtrain.parallel.updates import POLICIES
+from jaxtrain.registry import resolve_model
+from jaxtrain.settings import Settings, accepts_of, problem, scalar_types, setting
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -90,7 +91,8 @@ class TrainConfig(Settings):
     pipeline_stash: str = setting(
         "residuals", "what a pipeline forward keeps for its backward", choices=("residuals", "inputs")
     )
-    # Checkpoints (jaxtrain.checkpoint): a directory turns them on; the same command resumes from its newest one.
+    # Checkpoints (jaxtrain.training.checkpoint): a directory turns them on; the same command resumes from its
+    # newest one.
     checkpoint_dir: str = setting("", "save checkpoints here and resume from the newest; empty: no checkpoints")
     checkpoint_every: int = setting(100, "steps between checkpoints; 0: only at the end", at_least=0)
     checkpoint_keep: int = setting(3, "how many of the newest checkpoints are kept", at_least=1)

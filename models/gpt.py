@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtrain.constraints import constrain, scan_layers
-from jaxtrain.errors import COMPUTE_DTYPES, ConfigError, Settings, setting
+from jaxtrain.errors import ConfigError
+from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
+from jaxtrain.sharding.constraints import constrain, scan_layers
 
 REMAT_POLICIES = {
     "none": None,
@@ -87,7 +88,8 @@ PRESETS = {
 }
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
+    """A float32 parameter drawn from N(0, std^2), with one logical dimension name per dimension."""
     return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std, out_sharding=names)
 
 
@@ -123,15 +125,15 @@ class Block(nnx.Module):
         d, h, k = cfg.d_model, cfg.n_heads, cfg.head_dim
         self.cfg = cfg
         self.attn_norm = nnx.Param(jnp.ones((d,)), out_sharding=("norm",))
-        self.w_qkv = _param(rngs, (d, 3, h, k), ("embed", "qkv", "heads", "kv"), 0.02)
-        self.w_out = _param(rngs, (h, k, d), ("heads", "kv", "embed"), residual_std(cfg))
+        self.w_qkv = normal_param(rngs, (d, 3, h, k), ("embed", "qkv", "heads", "kv"), 0.02)
+        self.w_out = normal_param(rngs, (h, k, d), ("heads", "kv", "embed"), residual_std(cfg))
         self.mlp_norm = nnx.Param(jnp.ones((d,)), out_sharding=("norm",))
         self.init_mlp(cfg, rngs)
 
     def init_mlp(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
         """The MLP's weights; a subclass with another MLP (e.g. mixture-of-experts) makes its own."""
-        self.w_in = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), 0.02)
-        self.w_down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"), residual_std(cfg))
+        self.w_in = normal_param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), 0.02)
+        self.w_down = normal_param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"), residual_std(cfg))
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:  # x: (B, T, D)
         x = x + self.attention(rms_norm(x, self.attn_norm[...]), rope)
@@ -163,7 +165,7 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
+        self.embedding = normal_param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -172,7 +174,7 @@ class GPT(nnx.Module):
 
         self.blocks = make_blocks(rngs)
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)), out_sharding=("norm",))
-        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
+        self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # tokens: (B, T) -> logits (B, T, V) float32
         layer, block_params = self.layer_stack(tokens.shape[1])

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtrain.constraints import constrain
-from jaxtrain.errors import COMPUTE_DTYPES, Settings, setting
+from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
+from jaxtrain.sharding.constraints import constrain
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,9 +38,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.constraints import constrain
-from jaxtrain.errors import ConfigError, setting
-from models.gpt import GPT, Block, GPTConfig, _param, residual_std, rms_norm
+from jaxtrain.errors import ConfigError
+from jaxtrain.settings import setting
+from jaxtrain.sharding.constraints import constrain
+from models.gpt import GPT, Block, GPTConfig, normal_param, residual_std, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +138,9 @@ class MoEBlock(Block):
 
     def init_mlp(self, cfg: MoEConfig, rngs: nnx.Rngs) -> None:
         d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
-        self.router = _param(rngs, (d, e), ("embed", "router"), 0.02)
-        self.w_in = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), 0.02)
-        self.w_down = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), residual_std(cfg))
+        self.router = normal_param(rngs, (d, e), ("embed", "router"), 0.02)
+        self.w_in = normal_param(rngs, (e, d, f), ("expert", "embed", "mlp"), 0.02)
+        self.w_down = normal_param(rngs, (e, f, d), ("expert", "mlp", "embed"), residual_std(cfg))
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         x = x + self.attention(rms_norm(x, self.attn_norm[...]), rope)

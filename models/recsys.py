@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtrain.constraints import constrain
-from jaxtrain.errors import COMPUTE_DTYPES, Settings, UserInputError, setting
+from jaxtrain.errors import UserInputError
+from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
+from jaxtrain.sharding.constraints import constrain
 
 
 @dataclasses.dataclass(frozen=True)

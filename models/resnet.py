@@ -37,8 +37,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtrain.constraints import constrain
-from jaxtrain.errors import COMPUTE_DTYPES, ConfigError, Settings, UserInputError, setting
+from jaxtrain.errors import ConfigError, UserInputError
+from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
+from jaxtrain.sharding.constraints import constrain
 
 BLOCKS = ("basic", "bottleneck")
 STEMS = ("cifar", "imagenet")  # cifar: one 3x3 conv; imagenet: a 7x7 conv with stride 2, then a 3x3 max pool

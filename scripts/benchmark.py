@@ -38,7 +38,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 if TYPE_CHECKING:
-    from jaxtrain.comm import GradientSync
+    from jaxtrain.parallel.grad_sync import GradientSync
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -64,7 +64,7 @@ def log(message: str) -> None:
 
 def make(mesh: str, extra=(), devices=None):
     from jaxtrain.config import apply_overrides, default_config
-    from jaxtrain.run import setup
+    from jaxtrain.training.setup import setup
 
     cfg = apply_overrides(default_config("gpt"), [*SHAPE, f"mesh={mesh}", *extra])
     return setup(cfg, log=lambda *_: None, devices=devices)
@@ -127,7 +127,7 @@ def minimal_step(run):
     """The same model, optimizer and shardings, written as the shortest plain jax.jit training step."""
     from flax import nnx
 
-    from jaxtrain.constraints import activation_sharding
+    from jaxtrain.sharding.constraints import activation_sharding
 
     graphdef, optimizer, plan = run.plan.model.graphdef, run.optimizer, run.plan
 
@@ -201,8 +201,8 @@ def bench_pipeline(args, peak) -> dict:
     P devices without a bubble: data parallel over them, accumulating M/P pieces so every matmul has the
     pipeline's microbatch size, with one fused gradient all-reduce per step (the pipeline has none over those
     devices). On simulated CPU devices the stages share the cores, so the bubble is measured as
-    the placeholder work that idle stages compute in its place (see jaxtrain.pipeline), which takes on real chips
-    exactly the time they would wait."""
+    the placeholder work that idle stages compute in its place (see jaxtrain.parallel.pipeline), which takes on real
+    chips exactly the time they would wait."""
     batch = 64
     results = {}
     for stages in (int(p) for p in args.pipeline_stages.split(",")):
@@ -261,7 +261,7 @@ def bench_checkpoint(args, peak) -> dict:
     """Saves of a trained state (Adam moments non-zero, so compression does not flatter the numbers), interleaved:
     the time `save` blocks, async and sync; the extra time a save adds to `--steps` training steps; write and
     restore throughput; and the disk's own fsync-ed write speed measured in the same run."""
-    from jaxtrain.checkpoint import Checkpoints, restore
+    from jaxtrain.training.checkpoint import Checkpoints, restore
 
     run = make(args.checkpoint_mesh, CHECKPOINT_SHAPE)
     state, batch = run.plan.init_state(run.optimizer, 0), run.batch("train", 0)
@@ -431,7 +431,7 @@ def sync_program(mesh: Mesh, sync: GradientSync | None, values: int) -> jax.stag
 def sync_bytes(compiled: jax.stages.Compiled, mesh: Mesh, sync: GradientSync | None, nbytes: int) -> dict:
     """Bytes each device sends per sync, read from the compiled HLO, against the analytic model: the mean over
     devices, and for the parameter server also the busiest device (a server), where its cost lies."""
-    from jaxtrain.comm_report import Expected, communication_report
+    from jaxtrain.analysis.comm_report import Expected, communication_report
 
     report, n = communication_report(compiled, mesh), mesh.size
     # XLA's all-reduce is modelled as bandwidth-optimal, as the report models every all-reduce.
@@ -469,7 +469,7 @@ def sync_timer(compiled: jax.stages.Compiled, gradients: jax.Array) -> Callable[
 def bench_gradsync_size(args: argparse.Namespace, meshes: dict[str, Mesh], mb: int) -> dict:
     """Every case of SYNC_CASES on a float32 gradient of `mb` MB: bytes vs the model, and seconds per sync, all
     cases interleaved."""
-    from jaxtrain.comm import GradientSync
+    from jaxtrain.parallel.grad_sync import GradientSync
 
     nbytes = mb << 20
     gradients = np.random.default_rng(0).standard_normal((args.devices, nbytes // 4), dtype=np.float32)
@@ -496,8 +496,8 @@ def bench_gradsync_size(args: argparse.Namespace, meshes: dict[str, Mesh], mb: i
 def bench_gradsync(args: argparse.Namespace, peak: float) -> dict:
     """Gradient syncs of 1-64 MB: seconds per sync of each algorithm, and the bytes each device sends (from the
     compiled HLO) against the algorithm's analytic model."""
-    from jaxtrain.comm import GradientSync
-    from jaxtrain.mesh import build_mesh, parse_layout
+    from jaxtrain.parallel.grad_sync import GradientSync
+    from jaxtrain.sharding.mesh import build_mesh, parse_layout
 
     meshes = {layout: build_mesh(parse_layout(layout)) for layout, _ in SYNC_CASES.values()}
     sizes = {}
@@ -548,7 +548,7 @@ def main() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from jaxtrain.flops import peak_flops
+    from jaxtrain.analysis.flops import peak_flops
 
     peak, source = peak_flops(jax.devices(), "bfloat16")
     report = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -23,6 +24,8 @@ import jax
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+SHARED_DATA = ROOT.parent / "shared" / "data"  # beside the checkout, where the project's data lives
+os.environ.setdefault("JAXTRAIN_DATA_DIR", str(SHARED_DATA))
 
 POLICIES = {
     "synchronous": ["sync=synchronous"],
@@ -42,7 +45,8 @@ def log(message: str) -> None:
 def run(model: str, overrides: list[str]) -> tuple[dict, object]:
     """Train to the end; the summary (with the logged history) and the compiled setup it used."""
     from jaxtrain.config import apply_overrides, default_config
-    from jaxtrain.run import build, train
+    from jaxtrain.training.loop import train
+    from jaxtrain.training.setup import build
 
     cfg = apply_overrides(default_config(model), [*overrides, "progress=false"])
     summary = train(cfg, log=lambda *_: None)
@@ -51,7 +55,7 @@ def run(model: str, overrides: list[str]) -> tuple[dict, object]:
 
 def bytes_per_sync(setup) -> float:
     """Bytes each device sends across replicas each time the replicas meet (every step unless local)."""
-    from jaxtrain.comm_report import communication_report
+    from jaxtrain.analysis.comm_report import communication_report
 
     return communication_report(setup.train_step, setup.plan.mesh).measured(("replica",))
 
@@ -64,8 +68,6 @@ def syncs_by(step: int, train) -> int:
 
 
 def policies(args) -> dict:
-    from jaxtrain.data import SHARED_DATA
-
     text = SHARED_DATA / "tinyshakespeare.txt"
     source = str(text) if text.is_file() else "builtin"
     base = ["mesh=replica=8", f"data.source={source}", f"steps={args.steps}", "batch_size=32", "seq_len=64"]
@@ -89,8 +91,6 @@ def policies(args) -> dict:
 
 
 def partitions(args) -> dict:
-    from jaxtrain.data import SHARED_DATA
-
     if not (SHARED_DATA / "digits.csv.gz").is_file():
         return {"skipped": f"{SHARED_DATA / 'digits.csv.gz'} is absent"}
     base = ["mesh=replica=8", f"steps={args.digit_steps}", "batch_size=64", f"eval_every={args.digit_steps}"]

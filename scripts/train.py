@@ -5,13 +5,17 @@
     python scripts/train.py --simulated-devices 8 --model mlp --mesh data=8 --data ../shared/data/digits.csv.gz
     python scripts/train.py --help                                      # flags; --help-config lists key=value keys
 
-The loop itself reads top to bottom in jaxtrain/run.py (setup, then train).
+The step is composed in jaxtrain/training/setup.py; the loop reads top to bottom in jaxtrain/training/loop.py.
 """
 
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+if (ROOT.parent / "shared" / "data").is_dir():  # `--data digits` names a file there
+    os.environ.setdefault("JAXTRAIN_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 
 from jaxtrain.cli import train_main  # noqa: E402
 

@@ -17,6 +17,8 @@ jax.config.update(
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 SHARED_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+if SHARED_DATA.is_dir():  # `data.source=digits` names a file in this folder
+    os.environ.setdefault("JAXTRAIN_DATA_DIR", str(SHARED_DATA))
 
 
 def shared_file(name: str) -> Path:

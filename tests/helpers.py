@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jaxtrain.config import apply_overrides, default_config
-from jaxtrain.run import Setup, build
+from jaxtrain.training.setup import Setup, build
 
 # Gradients computed in bfloat16 on two meshes (or a mesh and one device), leaf by leaf: measured within 9.2e-3 of each
 # other on gpt-tiny; a gradient off by a constant factor of 2 is off by 1.

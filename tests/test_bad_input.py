@@ -12,8 +12,8 @@ from pathlib import Path
 import jax
 import pytest
 
-import jaxtrain.checkpoint
-import jaxtrain.plan
+import jaxtrain.training.checkpoint
+import jaxtrain.training.plan
 from jaxtrain.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,7 +148,7 @@ def no_compiling(monkeypatch) -> list:
         compiled.append(args)
         raise AssertionError("a step was compiled")
 
-    monkeypatch.setattr(jaxtrain.plan.Plan, "compile", refuse)
+    monkeypatch.setattr(jaxtrain.training.plan.Plan, "compile", refuse)
     # The command points JAX's compilation cache at the user's; keep the test session's.
     monkeypatch.setenv("JAXTRAIN_COMPILATION_CACHE", jax.config.jax_compilation_cache_dir)
     return compiled
@@ -185,7 +185,7 @@ def test_an_unforeseen_error_is_one_line_and_status_1(debug, monkeypatch, capsys
     def fail(path):
         raise RuntimeError("disk on fire\nsecond line of detail")
 
-    monkeypatch.setattr(jaxtrain.checkpoint, "describe_checkpoint", fail)
+    monkeypatch.setattr(jaxtrain.training.checkpoint, "describe_checkpoint", fail)
     status, printed = run_cli(["inspect", "runs/x", *(["--debug"] if debug else [])], capsys)
     assert status == 1
     if debug:
@@ -198,7 +198,7 @@ def test_ctrl_c_outside_training_is_status_130_without_traceback(monkeypatch, ca
     def interrupt(path):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(jaxtrain.checkpoint, "describe_checkpoint", interrupt)
+    monkeypatch.setattr(jaxtrain.training.checkpoint, "describe_checkpoint", interrupt)
     assert run_cli(["inspect", "runs/x"], capsys) == (130, "interrupted\n")
 
 
@@ -218,7 +218,11 @@ def test_simulated_device_count_must_be_positive(count):
     assert "Traceback" not in result.stderr
 
 
-FAULT = "import jaxtrain.run\ndef fail(*a, **k): raise ZeroDivisionError('planted')\njaxtrain.run.train = fail"
+FAULT = (
+    "import jaxtrain.training.loop\n"
+    "def fail(*a, **k): raise ZeroDivisionError('planted')\n"
+    "jaxtrain.training.loop.train = fail"
+)
 
 
 @pytest.mark.parametrize("debug", [False, True])

@@ -14,11 +14,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain.checkpoint import CheckpointError, Checkpoints, describe_checkpoint, restore
 from jaxtrain.config import apply_overrides, default_config
-from jaxtrain.run import build, train
-from jaxtrain.run_identity import RunIdentityError
-from jaxtrain.run_lock import RunLockedError
+from jaxtrain.training.checkpoint import CheckpointError, Checkpoints, describe_checkpoint, restore
+from jaxtrain.training.loop import train
+from jaxtrain.training.run_identity import RunIdentityError
+from jaxtrain.training.run_lock import RunLockedError
+from jaxtrain.training.setup import build
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["batch_size=8", "seq_len=32", "warmup_steps=1", "learning_rate=0.01", "steps=6", "log_every=1"]

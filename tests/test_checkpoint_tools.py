@@ -11,15 +11,15 @@ import pytest
 import tensorstore as ts
 from test_checkpoint import config, run_train
 
-from jaxtrain.checkpoint import (
+from jaxtrain.cli import main
+from jaxtrain.training.checkpoint import (
     CheckpointError,
     describe_checkpoint,
     export_params,
     is_params_export,
     restore_params,
 )
-from jaxtrain.cli import main
-from jaxtrain.run import build
+from jaxtrain.training.setup import build
 
 MESH = "data=2,fsdp=2,tensor=2"
 

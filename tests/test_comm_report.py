@@ -9,10 +9,10 @@ from helpers import TINY, make_run
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.analysis.comm_report import Expected, axes_of_group, communication_report, sent_per_device
+from jaxtrain.analysis.hlo import collectives, replica_groups, source_target_pairs
+from jaxtrain.analysis.memory import total_bytes, tree_device_bytes
 from jaxtrain.cli import main
-from jaxtrain.comm_report import Expected, axes_of_group, communication_report, sent_per_device
-from jaxtrain.hlo import collectives, replica_groups, source_target_pairs
-from jaxtrain.plan import total_bytes, tree_device_bytes
 
 PERMUTED = [3, 1, 7, 0, 5, 2, 6, 4]  # device ids in mesh order, so that mesh positions and device ids differ
 

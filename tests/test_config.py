@@ -13,8 +13,8 @@ from jaxtrain.config import (
     default_config,
     describe_config,
 )
-from jaxtrain.errors import accepts_of
-from models import MODELS
+from jaxtrain.registry import available_models
+from jaxtrain.settings import accepts_of
 from models.gpt import GPTConfig
 
 
@@ -62,7 +62,12 @@ def test_configs_made_in_python_are_checked_too():
 
 def choice_fields():
     """(config class, field name, its choices) for every field declared with choices, in every section."""
-    classes = {OptimizerConfig, DataConfig, TrainConfig, *(type(default_config(name).model) for name in MODELS)}
+    classes = {
+        OptimizerConfig,
+        DataConfig,
+        TrainConfig,
+        *(type(default_config(name).model) for name in available_models()),
+    }
     for cls in sorted(classes, key=lambda c: c.__name__):
         for field in dataclasses.fields(cls):
             if accepts_of(field).choices:

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from jaxtrain.cli import main
-from jaxtrain.distributed import DistributedError, ProcessGroup, from_environment, initialize
+from jaxtrain.training.distributed import DistributedError, ProcessGroup, from_environment, initialize
 
 # A SLURM step over nodes gpu007..gpu010: JAX takes the first node as the coordinator, on port 61440 + job id % 4096.
 SLURM = {

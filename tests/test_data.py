@@ -6,9 +6,9 @@ import pytest
 from conftest import shared_file
 from helpers import make_run
 
-from jaxtrain.data import DataError, Digits, SyntheticTokens, builtin_text, global_batch, make_dataset
-from jaxtrain.plan import PlanError
-from jaxtrain.rules import ShardingRuleError
+from jaxtrain.data.datasets import DataError, Digits, SyntheticTokens, builtin_text, global_batch, make_dataset
+from jaxtrain.sharding.rules import ShardingRuleError
+from jaxtrain.training.model import PlanError
 
 
 def test_builtin_text_is_real_and_deterministic():

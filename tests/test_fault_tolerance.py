@@ -18,11 +18,12 @@ import pytest
 from orbax.checkpoint._src.path import async_path
 
 from jaxtrain import run as run_module
-from jaxtrain.checkpoint import CheckpointWriteError, restore
 from jaxtrain.config import apply_overrides, default_config
-from jaxtrain.recovery import Diverged
-from jaxtrain.run import Setup, build, train
-from jaxtrain.run_lock import LOCK_NAME
+from jaxtrain.training.checkpoint import CheckpointWriteError, restore
+from jaxtrain.training.loop import train
+from jaxtrain.training.recovery import Diverged
+from jaxtrain.training.run_lock import LOCK_NAME
+from jaxtrain.training.setup import Setup, build
 
 ROOT = Path(__file__).resolve().parent.parent
 EVERY = 10  # steps between checkpoints in the kill test

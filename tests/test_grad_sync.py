@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from helpers import cached_run, make_run
 
-from jaxtrain.comm import GradSyncError
-from jaxtrain.comm_report import communication_report
+from jaxtrain.analysis.comm_report import communication_report
+from jaxtrain.analysis.hlo import collectives
 from jaxtrain.config import ConfigError
-from jaxtrain.hlo import collectives
+from jaxtrain.parallel.grad_sync import GradSyncError
 
 STEPS = 5
 # Plain SGD: each update is -lr x the synchronised gradient, so the params' change sees any error in it, its scale

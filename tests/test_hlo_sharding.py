@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from helpers import make_run
 
-from jaxtrain.hlo import collectives, summarize
-from jaxtrain.plan import total_bytes
+from jaxtrain.analysis.hlo import collectives, summarize
+from jaxtrain.analysis.memory import total_bytes
 
 REDUCTIONS = ("all-reduce", "reduce-scatter", "all-to-all")
 

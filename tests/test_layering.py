@@ -1,28 +1,126 @@
-"""Dependencies point one way: models import only the sharding helper; the library never imports scripts."""
+"""Dependencies point one way, read from the source's import statements (those inside functions included):
+
+    base (errors, settings, files, formatting, registry)
+      < analysis, sharding, data  < parallel  < config  < training  < planner  < cli and the public API
+
+No module imports one of a higher layer, no two modules import each other through any chain, the library never
+imports `models`, `scripts` or `tests`, models import only the sharding helpers and the config field checks, and
+the planner never imports the training loop or what only the loop uses.
+"""
 
 import ast
+import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+LAYERS = {
+    "jaxtrain.errors": 0,
+    "jaxtrain.settings": 0,
+    "jaxtrain.files": 0,
+    "jaxtrain.formatting": 0,
+    "jaxtrain.registry": 0,
+    "jaxtrain.analysis": 1,
+    "jaxtrain.sharding": 1,
+    "jaxtrain.data": 1,
+    "jaxtrain.parallel": 2,
+    "jaxtrain.config": 3,
+    "jaxtrain.training": 4,
+    "jaxtrain.planner": 5,
+    "jaxtrain.cli": 6,
+    "jaxtrain": 6,  # the public API, jaxtrain/__init__.py
+}
+MODEL_IMPORTS = {"jaxtrain.sharding.constraints", "jaxtrain.settings", "jaxtrain.errors"}
+LOOP_ONLY = {  # what the planner must not reach: the loop and the runtime around it
+    "jaxtrain.training.loop",
+    "jaxtrain.training.recovery",
+    "jaxtrain.training.checkpoint",
+    "jaxtrain.training.metrics",
+    "jaxtrain.training.run_lock",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+LIBRARY = {module_name(p): p for p in (ROOT / "jaxtrain").rglob("*.py")}
 
 
 def imports(path: Path) -> set[str]:
+    """The modules `path` imports; `from package import module` counts as importing the module."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & LIBRARY.keys()
+            names.update(submodules or {node.module})
     return names
+
+
+def ours(path: Path) -> set[str]:
+    return {n for n in imports(path) if n.split(".")[0] in ("jaxtrain", "models", "scripts", "tests")}
+
+
+def layer(module: str) -> int:
+    for prefix in sorted(LAYERS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return LAYERS[prefix]
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+
+
+@pytest.mark.parametrize("module", sorted(LIBRARY))
+def test_no_upward_import(module):
+    for imported in ours(LIBRARY[module]):
+        assert imported.split(".")[0] == "jaxtrain", f"{module} imports {imported}"
+        assert layer(imported) <= layer(module), f"{module} (layer {layer(module)}) imports {imported} (higher)"
+
+
+def test_no_import_cycles():
+    graph = {m: {i for i in ours(p) if i in LIBRARY} for m, p in LIBRARY.items()}
+    done, on_path = set(), []
+
+    def visit(module):
+        if module in on_path:
+            cycle = on_path[on_path.index(module) :] + [module]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if module in done:
+            return
+        on_path.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported)
+        on_path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_planner_never_reaches_the_loop():
+    reached, todo = set(), [m for m in LIBRARY if m.startswith("jaxtrain.planner")]
+    while todo:
+        module = todo.pop()
+        for imported in ours(LIBRARY[module]) & LIBRARY.keys():
+            if imported not in reached:
+                reached.add(imported)
+                todo.append(imported)
+    assert not reached & LOOP_ONLY, f"the planner reaches {sorted(reached & LOOP_ONLY)}"
 
 
 def test_models_know_nothing_of_meshes():
     for path in (ROOT / "models").glob("*.py"):
-        ours = {n for n in imports(path) if n.split(".")[0] in ("jaxtrain", "scripts")}
-        assert ours <= {"jaxtrain.constraints", "jaxtrain.errors"}, f"{path.name} imports {ours}"
+        allowed = MODEL_IMPORTS | ({"jaxtrain.registry"} if path.name == "__init__.py" else set())
+        library = {n for n in ours(path) if not n.startswith("models")}
+        assert library <= allowed, f"{path.name} imports {library - allowed}"
         assert "Mesh" not in path.read_text(), f"{path.name} mentions a mesh"
+        private = [n.names for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)]
+        assert not [a.name for names in private for a in names if a.name.startswith("_")], f"{path.name}"
 
 
-def test_library_never_imports_scripts():
-    for path in (ROOT / "jaxtrain").glob("*.py"):
-        assert not {n for n in imports(path) if n.startswith("scripts")}, path.name
+def test_every_package_ships():
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    in_tree = {module_name(p.parent / "__init__.py") for p in ROOT.glob("jaxtrain/**/__init__.py")}
+    assert in_tree | {"models", "jaxtrain.meshes"} == packages

@@ -7,7 +7,7 @@ from conftest import shared_file
 from flax import nnx
 
 from jaxtrain.config import apply_overrides, default_config
-from jaxtrain.run import train
+from jaxtrain.training.loop import train
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_mlp_reaches_95_percent_on_digits_data_parallel():
         ],
     )
     summary = train(cfg, log=lambda *_: None)
-    from jaxtrain.data import Digits
+    from jaxtrain.data.datasets import Digits
     from models.mlp import MLP
 
     features, labels = Digits(digits, seed=0).splits["val"]  # the whole held-out split, 359 images

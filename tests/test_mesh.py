@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from jaxtrain.mesh import MeshError, MeshLayout, available_layouts, build_mesh, describe_mesh, parse_layout
+from jaxtrain.sharding.mesh import MeshError, MeshLayout, available_layouts, build_mesh, describe_mesh, parse_layout
 
 
 def test_inline_layout_with_wildcard():

@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 from helpers import cached_run, reference_curve
 
-from jaxtrain.plan import split_model
-from models import MODELS, resolve_model
+from jaxtrain.registry import available_models, resolve_model
+from jaxtrain.training.model import split_model
 
 
-@pytest.mark.parametrize("name", [f"{m}-{p}" for m, spec in MODELS.items() for p in spec.presets])
+@pytest.mark.parametrize("name", [f"{m}-{p}" for m, spec in available_models().items() for p in spec.presets])
 def test_analytic_parameter_count_matches_the_model(name):
     spec, preset = resolve_model(name)
     cfg = spec.presets[preset]()

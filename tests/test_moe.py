@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from helpers import assert_curves_close, cached_run, curve, make_run, reference_curve
 
-from jaxtrain.comm_report import communication_report
+from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.config import ConfigError, apply_overrides, default_config
-from jaxtrain.pipeline import PipelineError
-from jaxtrain.run import train
+from jaxtrain.parallel.pipeline import PipelineError
+from jaxtrain.training.loop import train
 from models.moe import route
 
 MESHES = ["data=2,expert=4", "data=2,expert=2,tensor=2"]

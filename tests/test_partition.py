@@ -4,7 +4,7 @@ and by_label (a few classes a replica), each still a pure function of (seed, spl
 import numpy as np
 import pytest
 
-from jaxtrain.data import DataError, Digits, make_dataset
+from jaxtrain.data.datasets import DataError, Digits, make_dataset
 
 # 500 images, unevenly spread over 10 classes so that "the global mix" is not just "balanced".
 CLASS_COUNTS = [40, 45, 50, 55, 60, 40, 45, 50, 55, 60]

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from helpers import BF16_GRAD_RTOL, assert_gradients_close, gradients, make_run
 
+from jaxtrain.analysis.hlo import collectives
 from jaxtrain.config import ConfigError
-from jaxtrain.hlo import collectives
-from jaxtrain.pipeline import PipelineError
-from jaxtrain.schedules import ScheduleError, build_schedule
+from jaxtrain.parallel.pipeline import PipelineError
+from jaxtrain.parallel.schedules import ScheduleError, build_schedule
 
 MODEL = ["n_layers=8", "batch_size=16"]
 SCHEDULES = {  # name -> extra overrides
@@ -89,7 +89,7 @@ def test_bfloat16_compute_with_full_remat():
 
 
 def test_1f1b_keeps_less_activation_memory_than_gpipe():
-    """At M = 4P GPipe stashes every microbatch's activations; 1F1B at most 2P - 1 (see jaxtrain.schedules)."""
+    """At M = 4P GPipe stashes every microbatch's activations; 1F1B at most 2P - 1 (see jaxtrain.parallel.schedules)."""
     temp = {}
     for schedule in ("gpipe", "1f1b"):
         overrides = ["n_layers=8", "batch_size=32", f"schedule={schedule}", "microbatches=16"]

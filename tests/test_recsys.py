@@ -8,12 +8,12 @@ import pytest
 from flax import nnx
 from helpers import assert_curves_close, cached_run, curve, make_run, reference_curve
 
-from jaxtrain.clicks import Clicks, batches, logistic_baseline
+from jaxtrain.analysis.hlo import collectives
+from jaxtrain.analysis.memory import total_bytes
 from jaxtrain.config import apply_overrides, default_config
+from jaxtrain.data.clicks import Clicks, batches, logistic_baseline
 from jaxtrain.errors import UserInputError
-from jaxtrain.hlo import collectives
-from jaxtrain.plan import total_bytes
-from jaxtrain.run import train
+from jaxtrain.training.loop import train
 from models.recsys import DLRM, RecsysConfig
 
 MESHES = ["data=2,tensor=4", "data=2,fsdp=2,tensor=2"]

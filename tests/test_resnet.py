@@ -10,10 +10,10 @@ from conftest import shared_file
 from flax import nnx
 from helpers import assert_curves_close, curve, make_run
 
-from jaxtrain.comm_report import axes_of_group
+from jaxtrain.analysis.comm_report import axes_of_group
+from jaxtrain.analysis.hlo import collectives
 from jaxtrain.config import ConfigError, apply_overrides, default_config
-from jaxtrain.hlo import collectives
-from jaxtrain.run import train
+from jaxtrain.training.loop import train
 from models.resnet import PRESETS, ImageShapeError, ResNet
 
 HYBRID = "data=4,tensor=2"

@@ -3,8 +3,8 @@
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from jaxtrain.mesh import MESH_AXES
-from jaxtrain.rules import ShardingRuleError, ShardingRules, logical_to_spec
+from jaxtrain.sharding.mesh import MESH_AXES
+from jaxtrain.sharding.rules import ShardingRuleError, ShardingRules, logical_to_spec
 
 
 def mesh(**sizes):

@@ -11,11 +11,11 @@ import sys
 import pytest
 from test_checkpoint import ROOT, config, digest, run_train
 
-from jaxtrain import run_identity
-from jaxtrain.checkpoint import newest_meta
 from jaxtrain.config import ConfigError, TrainConfig, apply_overrides, default_config
 from jaxtrain.errors import UserInputError
-from jaxtrain.run import train
+from jaxtrain.training import run_identity
+from jaxtrain.training.checkpoint import newest_meta
+from jaxtrain.training.loop import train
 
 MESH = "data=2,fsdp=2,tensor=2"
 

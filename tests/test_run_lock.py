@@ -10,8 +10,8 @@ import subprocess
 import pytest
 from test_checkpoint import config
 
-from jaxtrain.run import train
-from jaxtrain.run_lock import LOCK_NAME, RunLock, RunLockedError, holding
+from jaxtrain.training.loop import train
+from jaxtrain.training.run_lock import LOCK_NAME, RunLock, RunLockedError, holding
 
 
 def dead_pid() -> int:

@@ -13,9 +13,9 @@ from test_checkpoint import config
 
 from jaxtrain.cli import _run_config, _train_parser
 from jaxtrain.config import apply_overrides, default_config
-from jaxtrain.metrics import MetricsError
-from jaxtrain.run import train
-from jaxtrain.run_identity import config_json, fingerprint
+from jaxtrain.training.loop import train
+from jaxtrain.training.metrics import MetricsError
+from jaxtrain.training.run_identity import config_json, fingerprint
 
 
 def crc32c(data: bytes) -> int:

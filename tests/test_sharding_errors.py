@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from helpers import gradients, make_run
 
-from jaxtrain.plan import PlanError
-from jaxtrain.rules import ShardingRuleError
+from jaxtrain.sharding.rules import ShardingRuleError
+from jaxtrain.training.model import PlanError
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxtrain.step import train_step
+from jaxtrain.parallel.step import train_step
 
 PARAMS = {"w": jnp.ones((3,)), "b": jnp.zeros(())}
 

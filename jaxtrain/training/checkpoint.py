@@ -37,9 +37,10 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jaxtrain.analysis.memory import total_bytes
 from jaxtrain.errors import UserInputError
-from jaxtrain.plan import fmt_bytes, format_table, total_bytes
-from jaxtrain.save_failure import SaveFailureBroadcast
+from jaxtrain.formatting import fmt_bytes, format_table
+from jaxtrain.training.save_failure import SaveFailureBroadcast
 
 PyTree = Any
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ compiled). Where enough devices exist, `measure` compiles the real train step to
     >>> print(est.format(fits_with(est)))                                      # doctest: +SKIP
 
 How each figure is found (all per device):
-- state: the plan's shardings on an abstract mesh (`jaxtrain.mesh.abstract_mesh`), exact.
+- state: the plan's shardings on an abstract mesh (`jaxtrain.sharding.mesh.abstract_mesh`), exact.
 - gradients: one params-sized tree, sharded like the params; two under gradient accumulation (sum and newest).
 - activations: what `jax.vjp` keeps for the backward pass of the loss on one device's rows (one microbatch), so the
   model's own remat policy decides; plus a working set: the same count for the largest loop body or remat region
@@ -52,17 +52,20 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
 from jax.sharding import PartitionSpec
 
-from jaxtrain.chips import CHIPS, Chip, ChipError, chip, chip_for_device_kind
-from jaxtrain.comm_report import SEND_SHARE, communication_report
+from jaxtrain.analysis.chips import CHIPS, Chip, ChipError, chip, chip_for_device_kind
+from jaxtrain.analysis.comm_report import SEND_SHARE, communication_report
+from jaxtrain.analysis.memory import device_bytes, tree_device_bytes
 from jaxtrain.config import RunConfig, apply_overrides
-from jaxtrain.constraints import activation_sharding
-from jaxtrain.data import make_dataset, model_data_args
-from jaxtrain.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
-from jaxtrain.optim import make_optimizer
-from jaxtrain.plan import Plan, device_bytes, fmt_bytes, format_table, make_plan, split_model, tree_device_bytes
-from jaxtrain.rules import ShardingRules, is_layer_stack, is_logical_names, spec_axes
-from jaxtrain.updates import UpdatePolicy
-from models import resolve_model
+from jaxtrain.data.datasets import make_dataset, model_data_args
+from jaxtrain.formatting import fmt_bytes, format_table
+from jaxtrain.parallel.updates import UpdatePolicy
+from jaxtrain.registry import resolve_model
+from jaxtrain.sharding.constraints import activation_sharding
+from jaxtrain.sharding.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
+from jaxtrain.sharding.rules import ShardingRules, is_layer_stack, is_logical_names, spec_axes
+from jaxtrain.training.model import split_model
+from jaxtrain.training.optim import make_optimizer
+from jaxtrain.training.plan import Plan, make_plan
 
 # Share of a chip's HBM a step may use: the runtime, XLA's scratch space and fragmentation take the rest.
 USABLE_HBM = 0.9
@@ -317,7 +320,7 @@ def fits_with(est: Estimate, limit: int = 4) -> list[tuple[str, Estimate]]:
 
 def measure(cfg: RunConfig, devices: Sequence[jax.Device]) -> Measured:
     """Compile the real train step of `cfg` on `devices` and read its memory and communication."""
-    from jaxtrain.run import build
+    from jaxtrain.training.setup import build
 
     run = build(cfg, log=lambda *_: None, devices=devices)
     compiled = run.train_step

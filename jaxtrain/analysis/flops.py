@@ -1,6 +1,6 @@
 """Peak FLOP/s of the devices in use, for MFU = model FLOPs/s / peak FLOPs/s.
 
-Accelerators: dense bf16 peak per chip from the vendors' data sheets (the table in `jaxtrain.chips`). CPU:
+Accelerators: dense bf16 peak per chip from the vendors' data sheets (the table in `jaxtrain.analysis.chips`). CPU:
 measured once with a short matmul benchmark over all devices at once (simulated devices share the same cores, so the
 whole machine's rate is the peak, not a per-device figure) and cached in ~/.cache/jaxtrain.
 """
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtrain.chips import chip_for_device_kind
+from jaxtrain.analysis.chips import chip_for_device_kind
 
 CACHE_DIR = Path(os.environ.get("JAXTRAIN_CACHE", Path.home() / ".cache" / "jaxtrain"))
 
@@ -36,7 +36,7 @@ def peak_flops(devices: Sequence[jax.Device], dtype: str = "bfloat16") -> tuple[
         return cpu_peak_flops(devices, dtype), source
     spec = chip_for_device_kind(kind)
     if spec is None:
-        raise ValueError(f"no peak FLOP/s known for device kind '{kind}'; add it to jaxtrain.chips.CHIPS.")
+        raise ValueError(f"no peak FLOP/s known for device kind '{kind}'; add it to jaxtrain.analysis.chips.CHIPS.")
     return spec.peak_bf16 * len(devices), f"bf16 data-sheet peak of {kind} x {len(devices)}"
 
 

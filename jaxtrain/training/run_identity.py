@@ -24,8 +24,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.checkpoint import CheckpointError
 from jaxtrain.config import RunConfig, resolve_key
+from jaxtrain.training.checkpoint import CheckpointError
 
 # Keys that may differ between a checkpoint and the run resuming from it (any `rules.*` too): see the module's doc.
 FREE_KEYS = frozenset(

@@ -1,7 +1,7 @@
 """Pipeline schedules as tables: which stage runs which microbatch's forward or backward at every tick.
 
-A schedule is plain data, built here by simulating the stages tick by tick; `jaxtrain.pipeline` runs any table the
-same way, so GPipe, 1F1B and interleaved 1F1B differ only in the order each stage takes its work.
+A schedule is plain data, built here by simulating the stages tick by tick; `jaxtrain.parallel.pipeline` runs any
+table the same way, so GPipe, 1F1B and interleaved 1F1B differ only in the order each stage takes its work.
 
 The model: P devices along the `pipeline` axis, each holding V chunks of layers ("virtual stages"; chunk v of device
 s is virtual stage j = v*P + s, so consecutive chunks sit on neighbouring devices). At each tick every device may do

@@ -10,7 +10,7 @@ Sources: `builtin` (Python standard-library source text, which ships with every 
 features in [0, 1) and labels for classifiers, the click logs for recommenders), a UTF-8/byte text file path
 (byte-level tokens), and
 `digits` (8x8 handwritten digits CSV, for classifiers), `clicks` (synthetic click logs with a known rule, for
-recommenders: `jaxtrain.clicks`).
+recommenders: `jaxtrain.data.clicks`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import gzip
 import math
+import os
 import sysconfig
 from pathlib import Path
 from typing import Protocol
@@ -26,13 +27,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxtrain.clicks import Clicks
+from jaxtrain.data.clicks import Clicks
 from jaxtrain.errors import UserInputError
 from jaxtrain.files import read_bytes, utf8_text
 
 SOURCES = ("builtin", "synthetic", "digits", "clicks")  # data sources by name; any other source is a file path
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
+# Where a named data file (`digits`: digits.csv.gz) is looked for. The library ships no data files and knows no
+# checkout layout; the project's scripts and tests point this at ../shared/data when it is there.
+DATA_DIR_ENV = "JAXTRAIN_DATA_DIR"
 BUILTIN_TEXT_BYTES = 2_000_000
 SPLITS = {"train": 0, "val": 1}
 # How labelled training data is split over replicas (see `Digits`). Only uniform suits unlabelled data.
@@ -387,7 +389,7 @@ def make_dataset(
     """
     check_partition(partition, replicas)
     if source == "digits" or source.endswith((".csv", ".csv.gz")):
-        path = SHARED_DATA / "digits.csv.gz" if source == "digits" else Path(source)
+        path = named_data_file("digits.csv.gz") if source == "digits" else Path(source)
         dataset: Dataset = Digits(path, seed, partition=partition, replicas=replicas)
     elif source == "synthetic" and task == "classification":
         dataset = SyntheticFeatures(features, classes, seed)
@@ -415,6 +417,18 @@ def make_dataset(
     if task == "lm" and vocab_size < 256 and not isinstance(dataset, SyntheticTokens):
         raise DataError(f"byte-level text needs vocab_size >= 256, the model has {vocab_size}.")
     return dataset
+
+
+def named_data_file(name: str) -> Path:
+    """The file `name` in the directory `$JAXTRAIN_DATA_DIR` names."""
+    folder = os.environ.get(DATA_DIR_ENV)
+    if not folder:
+        raise DataError(
+            f"data source '{name.split('.')[0]}' is the file {name} in the folder ${DATA_DIR_ENV} names, and "
+            f"{DATA_DIR_ENV} is not set: set it to the folder that holds {name}, or give the file's path as "
+            "data.source=PATH."
+        )
+    return Path(folder) / name
 
 
 def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> range:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxtrain.rules import ShardingRules, logical_to_spec
+from jaxtrain.sharding.rules import ShardingRules, logical_to_spec
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, ShardingRules] | None] = contextvars.ContextVar(
     "jaxtrain_rules", default=None

@@ -29,8 +29,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxtrain.checkpoint import CheckpointError, CheckpointWriteError
 from jaxtrain.errors import UserInputError
+from jaxtrain.training.checkpoint import CheckpointError, CheckpointWriteError
 
 LOCK_NAME = "jaxtrain.lock"
 

@@ -15,67 +15,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtrain.constraints import activation_sharding
-from jaxtrain.errors import UserInputError
-from jaxtrain.pipeline import StageLayout
-from jaxtrain.rules import ShardingRules, is_layer_stack, is_logical_names, logical_to_spec, spec_axes
-from jaxtrain.updates import UpdatePolicy
+from jaxtrain.analysis.memory import device_bytes, total_bytes, tree_device_bytes
+from jaxtrain.formatting import fmt_bytes, format_table
+from jaxtrain.parallel.pipeline import StageLayout
+from jaxtrain.parallel.updates import UpdatePolicy
+from jaxtrain.sharding.constraints import activation_sharding
+from jaxtrain.sharding.rules import ShardingRules, is_layer_stack, is_logical_names, logical_to_spec, spec_axes
+from jaxtrain.training.model import ModelParts, PlanError, path_str
 
 PyTree = Any
-
-
-class PlanError(UserInputError):
-    """A model, batch or rule set that cannot be laid out on the mesh."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelParts:
-    """A model split for functional use: its graph, abstract params and each param's logical dim names."""
-
-    graphdef: Any
-    abstract_params: PyTree  # pure dict of jax.ShapeDtypeStruct
-    logical_names: PyTree  # same structure, tuples of names
-    build: Callable[[nnx.Rngs], nnx.Module]
-
-    def loss_fn(self, params: PyTree, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        return nnx.merge(self.graphdef, params).loss(batch)
-
-    def init_params(self, seed: int) -> PyTree:
-        with nnx.use_eager_sharding(False):  # shardings come from the plan, not from Flax's eager annotation
-            return nnx.to_pure_dict(nnx.state(self.build(nnx.Rngs(seed)), nnx.Param))
-
-
-def split_model(build: Callable[[nnx.Rngs], nnx.Module]) -> ModelParts:
-    """Trace `build` abstractly (no memory) and read each parameter's logical names from its metadata."""
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract, nnx.Param)
-    names: dict = {}
-    for path, variable in nnx.to_flat_state(state):
-        logical = variable.get_metadata().get("out_sharding")
-        if logical is None:
-            raise PlanError(
-                f"parameter '{_path_str(path)}' has no logical axis names. Create it with "
-                "nnx.Param(value, out_sharding=(...)) so the rules can place it."
-            )
-        _set_path(names, path, tuple(logical))
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
-    return ModelParts(graphdef, params, names, build)
-
-
-def _set_path(tree: dict, path: tuple, value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def _path_str(path: tuple) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +209,7 @@ class Plan:
             spec = tuple(param.sharding.spec) + (None,) * (len(param.shape) - len(param.sharding.spec))
             rows.append(
                 (
-                    _path_str(path),
+                    path_str(path),
                     str(tuple(param.shape)),
                     " ".join(n or "-" for n in names),
                     " ".join(_axes_str(s) for s in spec),
@@ -358,7 +309,7 @@ def _policy_state(
                 policy.extra_state({"p": param}, {"p": sharding}, optimizer, mesh)
             except Exception:
                 raise PlanError(
-                    f"parameter '{_path_str(path)}' ({_spec_origin(names, sharding.spec, rules)}): the state "
+                    f"parameter '{path_str(path)}' ({_spec_origin(names, sharding.spec, rules)}): the state "
                     f"train.sync={policy.name} adds for it has a sharding JAX refuses: {str(err).rstrip('.')}. "
                     "Change one of those rules."
                 ) from err
@@ -373,55 +324,10 @@ def _spec_origin(names: tuple[str | None, ...], spec: PartitionSpec, rules: Shar
 
 
 def _path_tree(tree: PyTree) -> PyTree:
-    return jax.tree_util.tree_map_with_path(lambda path, _: _path_str(path), tree)
-
-
-def device_bytes(x: jax.ShapeDtypeStruct | jax.Array) -> int:
-    """Bytes one device holds of array `x` under its sharding."""
-    return math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-
-
-def tree_device_bytes(tree: PyTree) -> int:
-    return sum(device_bytes(x) for x in jax.tree.leaves(tree))
-
-
-def total_bytes(tree: PyTree) -> int:
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return jax.tree_util.tree_map_with_path(lambda path, _: path_str(path), tree)
 
 
 def _axes_str(axes: Any) -> str:
     if axes is None:
         return "-"
     return "+".join(axes) if isinstance(axes, tuple) else str(axes)
-
-
-def format_table(rows: list[tuple[str, ...]]) -> list[str]:
-    """Rows as left-aligned columns, the first row a header underlined with dashes."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
-
-
-def fmt_bytes(n: float) -> str:
-    """'512 B', '1.5 KiB', '2.0 GiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def memory_report(compiled: jax.stages.Compiled) -> str:
-    """The compiled step's per-device memory: arguments, outputs, aliased (donated), temporaries, peak."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return "memory analysis: not available on this backend"
-    bound = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    peak = getattr(m, "peak_memory_in_bytes", 0)
-    return (
-        f"compiled step memory per device: arguments {fmt_bytes(m.argument_size_in_bytes)}, outputs "
-        f"{fmt_bytes(m.output_size_in_bytes)} (donated/aliased {fmt_bytes(m.alias_size_in_bytes)}), temporaries "
-        f"{fmt_bytes(m.temp_size_in_bytes)}; at most {fmt_bytes(bound)} live"
-        + (f" (XLA's peak estimate {fmt_bytes(peak)})" if peak else "")
-    )

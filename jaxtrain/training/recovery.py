@@ -3,7 +3,7 @@ it; counting non-finite steps and rolling back after too many in a row; saving w
 resuming (only the run the checkpoint directory holds: `run_identity`), restoring or fine-tuning at the start; and
 stopping cleanly on preemption or Ctrl-C.
 
-`jaxtrain.run.train` calls these at the points of its loop; each is small enough to read on its own.
+`jaxtrain.training.loop.train` calls these at the points of its loop; each is small enough to read on its own.
 """
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
 
-from jaxtrain import run_identity
-from jaxtrain.checkpoint import (
+from jaxtrain.config import RunConfig
+from jaxtrain.errors import UserInputError
+from jaxtrain.training import run_identity
+from jaxtrain.training.checkpoint import (
     CheckpointMismatchError,
     Checkpoints,
     CheckpointWriteError,
@@ -32,12 +34,8 @@ from jaxtrain.checkpoint import (
     restore,
     restore_params,
 )
-from jaxtrain.config import RunConfig
-from jaxtrain.distributed import to_host
-from jaxtrain.errors import UserInputError
-
-if TYPE_CHECKING:
-    from jaxtrain.run import Setup
+from jaxtrain.training.distributed import to_host
+from jaxtrain.training.setup import Setup
 
 
 class Preempted(Exception):

@@ -11,6 +11,7 @@ built by JAX's mesh utilities so that neighbours on a mesh axis are neighbours o
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -28,7 +29,8 @@ from jaxtrain.files import read_bytes, utf8_text
 # across the slowest links (hosts, slices): the batch is split over it as over `data`, but gradient synchronisation can
 # treat it apart (grad_sync=hierarchical reduces inside the faster axes first).
 MESH_AXES = ("replica", "data", "pipeline", "fsdp", "expert", "tensor")
-MESHES_DIR = Path(__file__).resolve().parent.parent / "meshes"
+# The shipped layouts: meshes/ in a checkout, installed as the package data jaxtrain/meshes (pyproject.toml).
+MESHES_DIR = Path(str(importlib.resources.files("jaxtrain.meshes")))
 
 
 class MeshError(UserInputError):

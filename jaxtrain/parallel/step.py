@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtrain.constraints import constrain
+from jaxtrain.sharding.constraints import constrain
 
 PyTree = Any
 LossFn = Callable[[PyTree, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]

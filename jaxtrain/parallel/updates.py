@@ -29,7 +29,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.errors import UserInputError
-from jaxtrain.step import GradFn, guarded_update, is_finite, step_metrics, train_step
+from jaxtrain.parallel.step import GradFn, guarded_update, is_finite, step_metrics, train_step
 
 PyTree = Any
 POLICIES = ("synchronous", "local_sgd", "diloco", "stale")

@@ -5,9 +5,9 @@ three ways, swapping what `scan_layers` does, to take it apart into
     pre(params, batch) -> x               everything before the layer stack (the embedding)
     layer(x, one layer's params) -> x     one layer, chunks of which each stage applies in turn
     post(params, x, microbatch) -> loss   everything after (final norm, head, loss), on the last stage
-and a schedule (`jaxtrain.schedules`: gpipe, 1f1b, interleaved) says which stage runs which microbatch's forward
-or backward at every tick. The step is one SPMD program: a `shard_map` manual over `pipeline` only, so data, fsdp
-and tensor still shard the work inside each stage; `ppermute` hands activations forward and gradients back
+and a schedule (`jaxtrain.parallel.schedules`: gpipe, 1f1b, interleaved) says which stage runs which microbatch's
+forward or backward at every tick. The step is one SPMD program: a `shard_map` manual over `pipeline` only, so data,
+fsdp and tensor still shard the work inside each stage; `ppermute` hands activations forward and gradients back
 between neighbours. Each forward keeps its autodiff residuals in a slot of a stash until its backward, so the
 stash size, fixed by the schedule, is the activation memory (GPipe: M microbatches, 1F1B: at most 2P - 1).
 `pre` runs once on the whole batch before the loop (on every stage: it is cheap, and XLA cannot partition its
@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtrain.constraints import constrain, layer_runner
 from jaxtrain.errors import UserInputError
-from jaxtrain.rules import is_layer_stack, is_logical_names
-from jaxtrain.schedules import Schedule, build_schedule, check_schedule
-from jaxtrain.step import GradFn, LossFn, merge_microbatches, split_microbatches
+from jaxtrain.parallel.schedules import Schedule, build_schedule, check_schedule
+from jaxtrain.parallel.step import GradFn, LossFn, merge_microbatches, split_microbatches
+from jaxtrain.sharding.constraints import constrain, layer_runner
+from jaxtrain.sharding.rules import is_layer_stack, is_logical_names
 
 PyTree = Any
 
@@ -157,8 +157,9 @@ def balanced_layout(n_layers: int, stages: int, virtual: int, costs: LayerCosts 
 
 
 _NO_SCAN_LAYERS = (
-    "the mesh has a pipeline axis, but the model never runs its layers with scan_layers (jaxtrain.constraints), "
-    "where the pipeline takes them apart. Use a mesh without a pipeline axis for this model."
+    "the mesh has a pipeline axis, but the model never runs its layers with scan_layers "
+    "(jaxtrain.sharding.constraints), where the pipeline takes them apart. Use a mesh without a pipeline axis for "
+    "this model."
 )
 
 

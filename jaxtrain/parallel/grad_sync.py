@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
-from jaxtrain.comm_report import Expected
+from jaxtrain.analysis.comm_report import Expected
 from jaxtrain.errors import UserInputError
-from jaxtrain.step import GradFn, replica_gradients
+from jaxtrain.parallel.step import GradFn, replica_gradients
 
 ALGORITHMS = ("ring", "hierarchical", "parameter_server")
 COMPRESSIONS = {"none": None, "bf16": jnp.bfloat16}

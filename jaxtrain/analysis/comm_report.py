@@ -1,5 +1,5 @@
 """How many bytes each device sends per step, per mesh axis and collective kind, read from the compiled program
-before anything runs: its collectives, their shapes, device groups and loop trip counts (see `jaxtrain.hlo`).
+before anything runs: its collectives, their shapes, device groups and loop trip counts (see `jaxtrain.analysis.hlo`).
 
 Bytes follow the bandwidth-optimal algorithm for each kind, with N devices in a group and B the array's bytes on one
 device: all-reduce 2(N-1)/N·B (ring: reduce-scatter, then all-gather), all-gather (N-1)/N·result, reduce-scatter
@@ -19,8 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtrain.hlo import Collective, collectives
-from jaxtrain.plan import fmt_bytes, format_table
+from jaxtrain.analysis.hlo import Collective, collectives
+from jaxtrain.formatting import fmt_bytes, format_table
 
 # Fraction of B (all-reduce, all-to-all) or of the result (all-gather, reduce-scatter) each member of an N-device
 # group sends.

@@ -1,0 +1,214 @@
+"""The training loop: resume or start, step, log, evaluate, checkpoint, roll back, stop on a signal.
+
+>>> from jaxtrain.config import apply_overrides, default_config
+>>> cfg = apply_overrides(default_config("gpt-tiny"), ["steps=20", "mesh=data=2,tensor=2"])
+>>> summary = train(cfg)                                    # doctest: +SKIP
+>>> summary["loss"], summary["tokens_per_sec"]              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtrain.analysis.flops import peak_flops
+from jaxtrain.config import RunConfig
+from jaxtrain.training import run_lock
+from jaxtrain.training.checkpoint import Checkpoints
+from jaxtrain.training.distributed import to_host
+from jaxtrain.training.metrics import MetricsLog, check_outputs, tensorboard_writer_class
+from jaxtrain.training.recovery import (
+    Preempted,
+    Progress,
+    SkippedSteps,
+    StopRequest,
+    check_resume,
+    initial_state,
+    open_checkpoints,
+    preemption_requested,
+    roll_back,
+    save_checkpoint,
+    stop_signals,
+)
+from jaxtrain.training.setup import Setup, setup
+
+
+def evaluate(run: Setup, params: Any) -> dict[str, float]:
+    """Mean metrics over `eval_batches` fixed validation batches."""
+    results = [run.compiled_eval(params, run.batch("val", k)) for k in range(run.cfg.train.eval_batches)]
+    return {f"val_{k}": float(np.mean([to_host(r[k]) for r in results])) for k in results[0]}
+
+
+def train(
+    cfg: RunConfig,
+    log: Callable[[str], None] = print,
+    devices: Sequence[jax.Device] | None = None,
+    on_metrics: Callable[[dict[str, float]], None] | None = None,
+) -> dict[str, Any]:
+    """Run `cfg` to completion. Returns a summary: final metrics, throughput, the logged history, the state, and
+    the `Setup` it ran (its plan and compiled step, for inspection).
+
+    `on_metrics` receives each logged step's record, `{"step": ..., "loss": ..., ...}`, as it is written to
+    `train.metrics_file` (e.g. to redraw a plot in a notebook).
+
+    With `train.checkpoint_dir`, it holds that directory's lock (`run_lock`: one writer at a time), resumes from the
+    newest checkpoint there if its config defines the same run (`run_identity`; else `RunIdentityError`, before
+    anything is written), and saves every `checkpoint_every` steps and at the end; on SIGTERM or SIGINT it finishes
+    the step, saves, and raises `Preempted`. After `rollback_after` skipped (non-finite) updates in a row it restores
+    the newest checkpoint and skips the batches since. With several processes, process 0 logs, writes the metrics
+    (file, TensorBoard, `on_metrics`); every process trains and checkpoints its shards.
+    """
+    lead = jax.process_index() == 0
+    log = log if lead else lambda *_: None
+    if lead and cfg.train.tensorboard_dir:
+        tensorboard_writer_class()  # a missing tensorboardX is an error now, not after compiling
+    with run_lock.holding(cfg.train.checkpoint_dir, log):  # one writer per checkpoint directory, from start to exit
+        # Refused before anything compiles: a resume of another run's checkpoints, metrics into another run's files.
+        run_name = check_resume(cfg)
+        if lead:
+            check_outputs(cfg.train.metrics_file, cfg.train.tensorboard_dir, run_name)
+        run = setup(cfg, log, devices)
+        with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
+            state, progress = initial_state(run, checkpoints, log)
+            peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
+            log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
+            sink = _metrics_sink(cfg, lead, on_metrics, progress)
+            with Recorder(run, peak, sink) as recorder, stop_signals() as stop:
+                state, preempted = _loop(run, state, progress, checkpoints, recorder, stop, log)
+                if checkpoints:
+                    checkpoints.wait()  # a second Ctrl-C here still exits at once
+    if preempted:
+        raise Preempted(progress.step, stop.signum or signal.SIGTERM)
+
+    summary = {**recorder.summary(), "nonfinite_total": progress.nonfinite_total, "rollbacks": progress.rollbacks}
+    log("done: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    return {**summary, "history": recorder.history, "state": state, "run": run}
+
+
+def _metrics_sink(cfg: RunConfig, lead: bool, on_metrics: Callable | None, progress: Progress) -> MetricsLog:
+    """Where process 0 writes the metrics of the run `progress` names, from its step on (the other processes train
+    silently)."""
+    if not lead:
+        return MetricsLog(None, cfg.train.steps, stream=None)
+    t = cfg.train
+    return MetricsLog(
+        t.metrics_file or None,
+        t.steps,
+        t.progress,
+        tensorboard_dir=t.tensorboard_dir or None,
+        on_record=on_metrics,
+        run=progress.run,
+        start=progress.step,
+    )
+
+
+def _loop(
+    run: Setup,
+    state: Any,
+    progress: Progress,
+    checkpoints: Checkpoints | None,
+    recorder: Recorder,
+    stop: StopRequest,
+    log: Callable[[str], None],
+) -> tuple[Any, bool]:
+    """Train from `progress.step` to `train.steps` or a preemption; returns the last state and whether it was
+    preempted. Updates `progress`."""
+    t, steps = run.cfg.train, run.cfg.train.steps
+    skipped, rollbacks = SkippedSteps(progress, t.rollback_after), collections.Counter()
+    recorder.start(progress.step)
+    pending = None  # a logged step's metrics, read only once the next step runs
+    batch = run.batch("train", progress.step + progress.data_offset)
+    preempted = False
+    while progress.step < steps and not preempted:
+        state, metrics = run.train_step(state, batch)
+        done = progress.step = progress.step + 1
+        skipped.add(done, metrics)
+        if pending:
+            recorder.record(*pending)
+            pending = None
+        if done < steps:
+            batch = run.batch("train", done + progress.data_offset)  # built on the host while the device computes
+        preempted = preemption_requested(stop, done)
+        save = checkpoints is not None and (checkpoints.due(done, steps) or preempted)
+        bad_step = skipped.read(keep_newest=not save)  # a save waits for the step anyway: read its flag too
+        if bad_step is not None:
+            state = roll_back(run, checkpoints, progress, bad_step, rollbacks, log)
+            batch, pending = run.batch("train", progress.step + progress.data_offset), None
+            recorder.start(progress.step)
+            recorder.sink.rewind(progress.step)
+            continue  # if preempted too, stop: the checkpoint just restored is on disk, and a rerun resumes there
+        extra = {"nonfinite_total": progress.nonfinite_total}
+        if done % t.eval_every == 0 or done == steps:
+            # Now, before the next step donates the params.
+            recorder.record(done, metrics, extra, functools.partial(evaluate, run, state["params"]))
+        elif done % t.log_every == 0:
+            pending = (done, metrics, extra)
+        # Mid-streak the params are the ones before it; a save then would only hide the older checkpoint.
+        if save and (skipped.streak == 0 or done == steps or preempted):
+            save_checkpoint(run, checkpoints, state, progress, log)
+    if pending:
+        recorder.record(*pending)
+    skipped.read(keep_newest=False)  # count the last step's flag; too late to roll back
+    return state, preempted
+
+
+class Recorder:
+    """Turns step metrics into log records with throughput and MFU, and keeps the history."""
+
+    def __init__(self, run: Setup, peak: float, sink: MetricsLog):
+        self.run, self.peak, self.sink = run, peak, sink
+        self.history: list[dict[str, Any]] = []
+        self.train_time, self.trained_steps = 0.0, 0
+        self.start(0)
+
+    def start(self, step: int) -> None:
+        """Training (re)starts at `step`: the interval that follows pays one-off costs and is not throughput."""
+        self.first_step = self.last_step = step
+        self.last_time = time.perf_counter()
+
+    def record(
+        self,
+        step: int,
+        metrics: dict[str, jax.Array],
+        extra: dict[str, float] | None = None,
+        evaluate: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
+        """Log `step`'s metrics with the throughput since the last record, plus `extra` and the metrics `evaluate`
+        returns (run after the clock stops: evaluation is not training time)."""
+        values = {k: float(v) for k, v in to_host(metrics).items()}
+        elapsed, steps = time.perf_counter() - self.last_time, step - self.last_step
+        if self.last_step > self.first_step:
+            self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + steps
+        values["tokens_per_sec"] = self.run.tokens_per_step * steps / elapsed
+        values["mfu"] = self.run.flops_per_step * steps / elapsed / self.peak
+        values.update({**(extra or {}), **(evaluate() if evaluate else {})})
+        self.sink.write(step, values)
+        self.history.append({"step": step, **values})
+        self.last_step, self.last_time = step, time.perf_counter()  # evaluation time is not training time
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.sink.close()
+
+    def summary(self) -> dict[str, Any]:
+        """The last record's loss and validation metrics, and throughput over every interval but the first."""
+        last = self.history[-1] if self.history else {"step": self.first_step, "loss": float("nan")}
+        rate = self.trained_steps / self.train_time if self.trained_steps else float("nan")
+        return {
+            "steps": last["step"],
+            "loss": last["loss"],
+            **{k: v for k, v in last.items() if k.startswith("val_")},
+            "tokens_per_sec": rate * self.run.tokens_per_step,
+            "mfu": rate * self.run.flops_per_step / self.peak,
+            "step_time_s": 1 / rate,
+        }

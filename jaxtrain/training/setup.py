@@ -1,0 +1,253 @@
+"""A run, built: mesh -> rules -> model -> plan -> data -> the step, composed here and nowhere else.
+
+>>> from jaxtrain.config import apply_overrides, default_config
+>>> run = build(apply_overrides(default_config("gpt-tiny"), ["mesh=data=2,tensor=2"]))  # doctest: +SKIP
+>>> run.train_step                                   # compiled on first use            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jaxtrain.analysis.comm_report import communication_report
+from jaxtrain.analysis.memory import memory_report
+from jaxtrain.config import ConfigError, RunConfig
+from jaxtrain.data.datasets import Dataset, global_batch, make_dataset, model_data_args
+from jaxtrain.formatting import fmt_bytes
+from jaxtrain.parallel.grad_sync import GradientSync
+from jaxtrain.parallel.pipeline import Pipeline, make_pipeline, stacked_layer_count
+from jaxtrain.parallel.step import GradFn, accumulate_gradients, eval_step, replica_gradients, value_and_grad
+from jaxtrain.parallel.updates import UpdatePolicy
+from jaxtrain.registry import resolve_model
+from jaxtrain.sharding.mesh import build_mesh, describe_mesh, parse_layout
+from jaxtrain.sharding.rules import ShardingRules
+from jaxtrain.training.distributed import describe_processes
+from jaxtrain.training.model import ModelParts, split_model
+from jaxtrain.training.optim import make_optimizer
+from jaxtrain.training.plan import Plan, make_plan
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a loop needs, built once: the plan, the step functions (compiled on first use), data, and the
+    step's model FLOPs."""
+
+    cfg: RunConfig
+    plan: Plan
+    dataset: Dataset
+    optimizer: Any
+    grad_fn: GradFn  # ((loss, metrics), grads) of params on a global batch, as the train step computes them
+    step_fn: Callable  # (state, batch) -> (state, metrics), uncompiled
+    flops_per_step: float
+    tokens_per_step: int
+    pipeline: Pipeline | None = None
+    grad_sync: GradientSync | None = None  # an explicit gradient synchronisation algorithm, if one is chosen
+
+    def batch(self, split: str, step: int) -> dict[str, jax.Array]:
+        return global_batch(self.dataset, split, step, self.cfg.data.batch_size, self._batch_shardings)
+
+    @functools.cached_property
+    def _batch_shardings(self) -> dict[str, Any]:  # computed once, not at every step of the loop
+        return {k: v.sharding for k, v in self._abstract_batch(self.cfg.train.grad_accum).items()}
+
+    def _abstract_batch(self, grad_accum: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
+        return self.plan.abstract_batch(self.dataset.shapes(self.cfg.data.batch_size), grad_accum)
+
+    @functools.cached_property
+    def train_step(self) -> jax.stages.Compiled:
+        """The compiled optimizer step; the state argument is donated."""
+        plan = self.plan
+        return plan.compile(
+            self.step_fn,
+            plan.abstract_state,
+            self._abstract_batch(self.cfg.train.grad_accum),
+            out_shardings=(plan.state_shardings, plan.replicated),
+        )
+
+    @functools.cached_property
+    def compiled_grad(self) -> jax.stages.Compiled:
+        """`grad_fn` compiled: (params, batch) -> ((loss, metrics), grads), for inspection and tests."""
+        plan = self.plan
+        return plan.compile(
+            self.grad_fn,
+            plan.abstract_state["params"],
+            self._abstract_batch(self.cfg.train.grad_accum),
+            donate_state=False,
+        )
+
+    @functools.cached_property
+    def compiled_eval(self) -> jax.stages.Compiled:
+        """Loss and metrics on a batch, without updating."""
+        plan = self.plan
+        loss_fn = self.pipeline.loss(plan.model.loss_fn) if self.pipeline else plan.model.loss_fn
+        return plan.compile(
+            functools.partial(eval_step, loss_fn=loss_fn),
+            plan.abstract_state["params"],
+            self._abstract_batch(),
+            donate_state=False,
+            out_shardings=plan.replicated,
+        )
+
+
+def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None) -> Setup:
+    """Build mesh, rules, plan and data, and compile the train step (nothing runs yet).
+
+    `devices`: the devices the mesh spans (default: all of them). The preflight it logs is a few lines; with
+    `train.verbose`, the full tables.
+    """
+    run = build(cfg, log, devices)
+    log(memory_report(run.train_step))
+    log(communication(run) if cfg.train.verbose else communication_summary(run))
+    return run
+
+
+def communication(run: Setup) -> str:
+    """The bytes each device sends per step, from the compiled train step, beside the analytic model of an explicit
+    gradient synchronisation when one is chosen."""
+    expected = run.grad_sync.expected(run.plan.param_bytes()) if run.grad_sync else ()
+    return communication_report(run.train_step, run.plan.mesh).format(expected)
+
+
+def communication_summary(run: Setup) -> str:
+    """One line: the mean bytes a device sends per step, in all and over each set of mesh axes."""
+    report = communication_report(run.train_step, run.plan.mesh)
+    by_axes = collections.Counter()
+    for row in report.rows:
+        by_axes["+".join(row.axes) or "-"] += row.mean
+    where = ", ".join(f"{axes} {fmt_bytes(sent)}" for axes, sent in by_axes.items())
+    return f"communication per step: {fmt_bytes(report.per_device.mean())} sent per device" + (
+        f" ({where})" if where else ""
+    )
+
+
+def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None) -> Setup:
+    """Like `setup`, but compiles nothing: steps compile when first used."""
+    spec, _ = resolve_model(cfg.model_name)
+    layout = parse_layout(cfg.mesh)
+    mesh = build_mesh(layout, devices)
+    if jax.process_count() > 1:
+        log(describe_processes(mesh))
+    rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
+    if cfg.data.partition != "uniform" and rules.batch_axes()[:1] != ("replica",):
+        raise ConfigError(  # a replica's rows are then no longer one contiguous block of the batch
+            f"data.partition={cfg.data.partition} needs 'replica' first in the batch rule; it is {rules.batch_axes()}."
+        )
+    verbose = cfg.train.verbose
+    log(describe_mesh(mesh) if verbose else describe_mesh(mesh).splitlines()[0])  # the first line names the axes
+
+    model = split_model(functools.partial(spec.module, cfg.model))
+    if mesh.shape["pipeline"] > 1:  # a model the pipeline cannot split is an error before any data is read
+        stacked_layer_count(model.logical_names, model.abstract_params)
+    optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    dataset = make_dataset(
+        cfg.data.source,
+        spec.task,
+        seed=cfg.train.seed,
+        seq_len=cfg.data.seq_len,
+        **model_data_args(cfg.model),
+        val_fraction=cfg.data.val_fraction,
+        partition=cfg.data.partition,
+        replicas=mesh.shape["replica"],
+    )
+    pipeline = _pipeline(cfg, mesh, model, dataset.shapes(cfg.data.batch_size))
+    if pipeline and verbose:
+        log(pipeline.describe())
+    policy = _update_policy(cfg, mesh)
+    plan = make_plan(mesh, rules, model, optimizer, pipeline.layout if pipeline else None, policy)
+    log(plan.table() if verbose else f"{plan.totals()} (--verbose or train.verbose=true: the full tables)")
+    # Check the batch divides over the devices before anything compiles.
+    plan.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
+
+    sync = _gradient_sync(cfg, plan)
+    grad_fn = _grad_fn(cfg, plan, pipeline, sync)
+    seq_len = cfg.data.seq_len if spec.task == "lm" else 1
+    return Setup(
+        cfg,
+        plan,
+        dataset,
+        optimizer,
+        grad_fn,
+        policy.step_fn(grad_fn, optimizer, schedule, mesh, cfg.train.steps),
+        cfg.model.train_flops(cfg.data.batch_size, seq_len),
+        cfg.data.batch_size * seq_len,
+        pipeline,
+        sync,
+    )
+
+
+def _update_policy(cfg: RunConfig, mesh: Mesh) -> UpdatePolicy:
+    t = cfg.train
+    policy = UpdatePolicy(t.sync, t.sync_every, t.staleness, t.outer_lr, t.outer_momentum)
+    policy.check_mesh(mesh)
+    if policy.name != "synchronous" and mesh.shape["pipeline"] > 1:
+        raise ConfigError(f"train.sync={t.sync} with a pipeline axis is not supported yet: use sync=synchronous.")
+    if policy.is_local and t.grad_sync != "xla":
+        raise ConfigError(
+            f"train.grad_sync={t.grad_sync} averages every step's gradient over all replicas, which train.sync="
+            f"{t.sync} exists to avoid: inside each replica XLA reduces the gradient; use grad_sync=xla."
+        )
+    return policy
+
+
+def _pipeline(cfg: RunConfig, mesh: Mesh, model: ModelParts, shapes: dict) -> Pipeline | None:
+    """The pipeline schedule and stage layout when the mesh has a pipeline axis; None otherwise."""
+    if mesh.shape["pipeline"] == 1:
+        return None
+    accum = cfg.train.grad_accum
+    per_step = {k: jax.ShapeDtypeStruct((s.shape[0] // accum, *s.shape[1:]), s.dtype) for k, s in shapes.items()}
+    return make_pipeline(
+        mesh,
+        model.loss_fn,
+        model.logical_names,
+        model.abstract_params,
+        per_step,
+        schedule=cfg.train.schedule,
+        microbatches=cfg.train.microbatches,
+        virtual=cfg.train.virtual_stages,
+        balance=cfg.train.stage_balance,
+        stash=cfg.train.pipeline_stash,
+    )
+
+
+def _grad_fn(cfg: RunConfig, plan: Plan, pipeline: Pipeline | None, sync: GradientSync | None) -> GradFn:
+    """Loss and gradient of a batch: accumulated over `grad_accum` pieces, synchronised as `grad_sync` says."""
+    grad_fn = pipeline.value_and_grad(plan.model.loss_fn) if pipeline else value_and_grad(plan.model.loss_fn)
+    grad_fn = accumulate_gradients(grad_fn, cfg.train.grad_accum)
+    if cfg.train.grad_sync == "xla":
+        return grad_fn
+    _check_pure_data_parallel(cfg, plan)
+    if cfg.train.grad_sync == "fused":
+        return replica_gradients(grad_fn, plan.mesh, plan.rules.batch_axes())
+    return sync.wrap(grad_fn, plan.mesh)
+
+
+def _gradient_sync(cfg: RunConfig, plan: Plan) -> GradientSync | None:
+    """The explicit synchronisation algorithm `train.grad_sync` names, over the mesh's data-parallel axes."""
+    t = cfg.train
+    if t.grad_sync in ("xla", "fused"):
+        return None
+    _check_pure_data_parallel(cfg, plan)
+    # In mesh order, whatever the order of the batch rule: ppermute over several axes requires it.
+    axes = tuple(a for a in plan.mesh.axis_names if a in plan.rules.batch_axes() and plan.mesh.shape[a] > 1)
+    bucket = int(t.grad_bucket_mb * 2**20)
+    return GradientSync(t.grad_sync, axes, dict(plan.mesh.shape), bucket, t.ps_servers, t.grad_compression)
+
+
+def _check_pure_data_parallel(cfg: RunConfig, plan: Plan) -> None:
+    if plan.is_pure_data_parallel():
+        return
+    used = plan.param_axes()
+    other = [a for a in plan.mesh.axis_names if plan.mesh.shape[a] > 1 and a not in plan.rules.batch_axes()]
+    why = f"parameters are sharded over {', '.join(used)}" if used else f"axes {', '.join(other)} are not data axes"
+    raise ConfigError(
+        f"train.grad_sync={cfg.train.grad_sync} averages gradients over data-parallel replicas, each holding every "
+        f"parameter; on mesh '{cfg.mesh}' {why}. Use grad_sync=xla, or a mesh of replica/data axes only (for "
+        "fsdp, replicate the weights with rules.params.embed=)."
+    )

@@ -45,10 +45,20 @@ class Setup:
     optimizer: Any
     grad_fn: GradFn  # ((loss, metrics), grads) of params on a global batch, as the train step computes them
     step_fn: Callable  # (state, batch) -> (state, metrics), uncompiled
-    flops_per_step: float
-    tokens_per_step: int
+    tokens_per_step: int  # batch x sequence length; batch for models that do not read sequences
     pipeline: Pipeline | None = None
     grad_sync: GradientSync | None = None  # an explicit gradient synchronisation algorithm, if one is chosen
+
+    @functools.cached_property
+    def flops_per_step(self) -> float:
+        """Model FLOPs of one step: the model config's `train_flops(batch_size, seq_len)` where it defines one; else
+        XLA's count for the compiled step (its per-device program's, times the devices), which counts the body of a
+        loop once, so it undercounts a model that scans its layers (and the MFU shown with it)."""
+        train_flops = getattr(self.cfg.model, "train_flops", None)
+        if train_flops is not None:
+            return train_flops(self.cfg.data.batch_size, self.tokens_per_step // self.cfg.data.batch_size)
+        cost = self.train_step.cost_analysis() or {}
+        return float(cost.get("flops", 0.0)) * self.plan.mesh.size
 
     def batch(self, split: str, step: int) -> dict[str, jax.Array]:
         return global_batch(self.dataset, split, step, self.cfg.data.batch_size, self._batch_shardings)
@@ -175,7 +185,6 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
         optimizer,
         grad_fn,
         policy.step_fn(grad_fn, optimizer, schedule, mesh, cfg.train.steps),
-        cfg.model.train_flops(cfg.data.batch_size, seq_len),
         cfg.data.batch_size * seq_len,
         pipeline,
         sync,

@@ -62,9 +62,9 @@ __all__ = [
 ]
 
 
-def config(model: str = "gpt", /, *, overrides: Sequence[str] = (), **settings: object) -> RunConfig:
+def config(model: str | RunConfig = "gpt", /, *, overrides: Sequence[str] = (), **settings: object) -> RunConfig:
     """The run config of `model` (`gpt-tiny`, `mlp`, a model you registered, ...): its preset with `settings`, then
-    `overrides`, applied.
+    `overrides`, applied. Given a `RunConfig` instead, that config with them applied.
 
     `settings`: config keys by their unique short names (`steps=20`, `learning_rate=1e-3`, `batch_size=8`), `mesh=`
     (a shipped layout's name, a .toml path, or inline "data=2,tensor=2") and `rules={"embed": "fsdp"}`; a dotted key
@@ -75,6 +75,8 @@ def config(model: str = "gpt", /, *, overrides: Sequence[str] = (), **settings: 
     >>> cfg = config("gpt-tiny", mesh="data=2,tensor=2", steps=20, **{"optimizer.learning_rate": 1e-3})
     >>> cfg.train.steps, cfg.optimizer.learning_rate, cfg.mesh
     (20, 0.001, 'data=2,tensor=2')
+    >>> config(cfg, mesh="cpu8-data").mesh
+    'cpu8-data'
     >>> config("gpt-tiny", stpes=20)
     Traceback (most recent call last):
     jaxtrain.errors.ConfigError: unknown config key 'stpes'. Did you mean: steps, dtype?
@@ -82,7 +84,8 @@ def config(model: str = "gpt", /, *, overrides: Sequence[str] = (), **settings: 
     from jaxtrain.config import apply_overrides, default_config
 
     given = [item for key, value in settings.items() for item in _as_overrides(key, value)]
-    return apply_overrides(default_config(model), [*given, *overrides])
+    base = default_config(model) if isinstance(model, str) else model
+    return apply_overrides(base, [*given, *overrides])
 
 
 def _as_overrides(key: str, value: object) -> list[str]:

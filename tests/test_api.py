@@ -146,6 +146,8 @@ def test_config_keywords_short_dotted_and_overrides():
     assert cfg.train.steps == 30 and cfg.train.progress is False  # overrides win over keywords
     assert cfg.rules == {"embed": "fsdp,tensor", "params.vocab": ""}
     assert jaxtrain.config("bytes").model == BytesLMConfig()  # a registered model's default preset
+    derived = jaxtrain.config(cfg, mesh="cpu8-data", n_layers=2)  # a config with changes
+    assert (derived.mesh, derived.model.n_layers, derived.train.steps) == ("cpu8-data", 2, 30)
 
 
 @pytest.mark.parametrize(

@@ -1,1 +1,148 @@
-"""jaxtrain: declarative distributed training for JAX. See README.md; the run reads top to bottom in run.py."""
+"""jaxtrain: declarative distributed training for JAX. A model names its dimensions, a mesh layout names the devices'
+axes, rules map one to the other, and one compiled step trains the model on the mesh.
+
+>>> import jaxtrain
+>>> jaxtrain.use_simulated_devices(8)      # 8 CPU devices, before JAX runs anything (skip it on accelerators)
+>>> cfg = jaxtrain.config("gpt-tiny", mesh="data=2,fsdp=2,tensor=2", steps=20, progress=False)
+>>> summary = jaxtrain.train(cfg)          # doctest: +SKIP
+>>> summary["loss"], summary["tokens_per_sec"]                                    # doctest: +SKIP
+>>> print(jaxtrain.plan(cfg, chip="v5p", devices=8, check=False))               # doctest: +SKIP
+
+The API: `config`, `train`, `plan`, `use_simulated_devices`, `enable_compilation_cache`, `register_model` and
+`available_models`, and the types a caller meets: `RunConfig`, `ModelSpec`, and the errors (every bad input is a
+`UserInputError` with a message saying what to change). Importing `jaxtrain` imports no JAX; the names that need it
+load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jaxtrain.devices import DeviceSetupError, enable_compilation_cache, use_simulated_devices
+from jaxtrain.errors import ConfigError, UserInputError
+from jaxtrain.registry import ModelRegistrationError, ModelSpec, available_models, register_model
+
+if TYPE_CHECKING:
+    from jaxtrain.config import RunConfig
+    from jaxtrain.training.checkpoint import CheckpointWriteError
+    from jaxtrain.training.loop import train
+    from jaxtrain.training.model import PlanError
+    from jaxtrain.training.recovery import Preempted
+
+# Names loaded on first use (PEP 562): each imports JAX and most of the library.
+_LAZY = {
+    "RunConfig": "jaxtrain.config",
+    "train": "jaxtrain.training.loop",
+    "PlanError": "jaxtrain.training.model",
+    "Preempted": "jaxtrain.training.recovery",
+    "CheckpointWriteError": "jaxtrain.training.checkpoint",
+}
+
+__all__ = [
+    "CheckpointWriteError",
+    "ConfigError",
+    "DeviceSetupError",
+    "ModelRegistrationError",
+    "ModelSpec",
+    "PlanError",
+    "Preempted",
+    "RunConfig",
+    "UserInputError",
+    "available_models",
+    "config",
+    "enable_compilation_cache",
+    "plan",
+    "register_model",
+    "train",
+    "use_simulated_devices",
+]
+
+
+def config(model: str | RunConfig = "gpt", /, *, overrides: Sequence[str] = (), **settings: object) -> RunConfig:
+    """The run config of `model` (`gpt-tiny`, `mlp`, a model you registered, ...): its preset with `settings`, then
+    `overrides`, applied. Given a `RunConfig` instead, that config with them applied.
+
+    `settings`: config keys by their unique short names (`steps=20`, `learning_rate=1e-3`, `batch_size=8`), `mesh=`
+    (a shipped layout's name, a .toml path, or inline "data=2,tensor=2") and `rules={"embed": "fsdp"}`; a dotted key
+    as `**{"optimizer.learning_rate": 1e-3}`. `overrides`: "key=value" strings as the command line takes them; they
+    win over `settings`. An unknown or ambiguous key, or a value of the wrong type, out of range or not among the
+    choices, is the `ConfigError` the command line reports. `jaxtrain train --help-config` lists every key.
+
+    >>> cfg = config("gpt-tiny", mesh="data=2,tensor=2", steps=20, **{"optimizer.learning_rate": 1e-3})
+    >>> cfg.train.steps, cfg.optimizer.learning_rate, cfg.mesh
+    (20, 0.001, 'data=2,tensor=2')
+    >>> config(cfg, mesh="cpu8-data").mesh
+    'cpu8-data'
+    >>> config("gpt-tiny", stpes=20)
+    Traceback (most recent call last):
+    jaxtrain.errors.ConfigError: unknown config key 'stpes'. Did you mean: steps, dtype?
+    """
+    from jaxtrain.config import apply_overrides, default_config
+
+    given = [item for key, value in settings.items() for item in _as_overrides(key, value)]
+    base = default_config(model) if isinstance(model, str) else model
+    return apply_overrides(base, [*given, *overrides])
+
+
+def _as_overrides(key: str, value: object) -> list[str]:
+    """As the command line spells it: `rules={"embed": ("fsdp", "tensor")}` -> ["rules.embed=fsdp,tensor"]."""
+    if key == "rules" and isinstance(value, Mapping):
+        return [f"rules.{name}={_rule_text(key, axes)}" for name, axes in value.items()]
+    if isinstance(value, bool):
+        return [f"{key}={str(value).lower()}"]
+    if isinstance(value, str | int | float):
+        return [f"{key}={value}"]
+    raise ConfigError(f"config key '{key}' was given {value!r}: give a str, int, float or bool, as key=value takes.")
+
+
+def _rule_text(key: str, axes: object) -> str:
+    if isinstance(axes, str):
+        return axes
+    if isinstance(axes, Sequence) and all(isinstance(a, str) for a in axes):
+        return ",".join(axes)
+    raise ConfigError(f"{key}: {axes!r} is not mesh axes: give a name, names separated by commas, or a tuple of names.")
+
+
+def plan(cfg: RunConfig, chip: str | None = None, devices: int | None = None, *, check: bool = True) -> str:
+    """The planner's report on `cfg` (what `jaxtrain plan` prints): per-device memory, collectives per mesh axis, a
+    roofline step time and MFU on `devices` chips of kind `chip` (`v5p`, `h100`, ...; default: this machine's
+    accelerators and count, or the layout's fixed size), whether it fits and which changes would make it fit. With
+    `check` and enough devices in this process, it also compiles the step and prints XLA's figures beside the
+    estimates.
+
+    >>> big = config("gpt-1b", mesh="tpu-v5p-128", batch_size=256, seq_len=2048)
+    >>> print(plan(big, chip="v5p"))                                                     # doctest: +SKIP
+    """
+    from jaxtrain.planner import plan_report
+
+    return plan_report(cfg, chip, devices, check=check)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'jaxtrain' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """`jaxtrain`'s module type. Importing the submodule `jaxtrain.config` (the run config's code, which most of the
+    library imports) binds it as the package's attribute `config` and would hide the function `config` above: the
+    function keeps the name. The module is still imported by its full name: `from jaxtrain.config import ...`."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "config" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

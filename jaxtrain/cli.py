@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaxtrain.devices import enable_compilation_cache, use_simulated_devices  # imports no JAX
 from jaxtrain.errors import CHECKPOINT_WRITE_FAILED_EXIT, UserInputError  # imports no JAX
 from jaxtrain.settings import Accepts
 
@@ -195,39 +194,6 @@ def _train_parser(
     _debug_flag(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser
-
-
-class DeviceSetupError(UserInputError):
-    """Simulated devices asked for after JAX started with other devices."""
-
-
-def use_simulated_devices(count: int) -> None:
-    """Make JAX's CPU backend expose `count` devices, before JAX runs anything. Calling it again with the same
-    count is harmless (a re-run notebook cell); another count once JAX has started is a `DeviceSetupError`.
-
-    >>> use_simulated_devices(8)   # first thing in a script or notebook       # doctest: +SKIP
-    """
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:  # the backend already exists (e.g. a notebook that ran JAX code first)
-        have = jax.devices()
-        if len(have) != count or have[0].platform != "cpu":
-            raise DeviceSetupError(
-                f"{count} simulated CPU devices were asked for, but JAX already started with {len(have)} "
-                f"{have[0].platform} devices; their number is fixed once JAX has run anything. Restart the "
-                f"process (or notebook kernel) and set up the devices first."
-            ) from None
-
-
-def enable_compilation_cache() -> None:
-    """Reuse compiled steps across runs (a small model's compile drops from seconds to a fraction of one)."""
-    import jax
-
-    cache = os.environ.get("JAXTRAIN_COMPILATION_CACHE", str(Path.home() / ".cache" / "jaxtrain" / "xla"))
-    jax.config.update("jax_compilation_cache_dir", cache)
 
 
 def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argparse.Namespace:

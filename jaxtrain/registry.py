@@ -4,10 +4,7 @@ The library never imports a model package. Models arrive here by `register_model
 defines them when it is imported: the project's own `models` package, or a user's. The first lookup of a name that
 is not registered loads the packages that installed projects declare under the `jaxtrain.models` entry-point group
 (this project declares `models`), so `jaxtrain train --model gpt` works without anyone importing `models` first.
-
->>> import jaxtrain
->>> jaxtrain.register_model("mine", MyModel, {"tiny": MyConfig}, task="lm")   # doctest: +SKIP
->>> jaxtrain.config("mine-tiny", mesh="data=2,tensor=2")                       # doctest: +SKIP
+What a model must provide: `register_model`'s docstring, and docs/models.md.
 """
 
 from __future__ import annotations
@@ -23,16 +20,22 @@ ENTRY_POINT_GROUP = "jaxtrain.models"
 TASKS = ("lm", "classification", "clicks")
 
 
+class ModelRegistrationError(UserInputError):
+    """A model that cannot be registered as given: a bad name, task, preset or module."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A registered model: its Flax NNX module class (built as `module(config, rngs=...)`), its named config
-    presets, the preset a bare name means, and the data it trains on (one of `TASKS`)."""
+    presets, the preset a bare name means, the data it trains on (one of `TASKS`), and whether parameters without
+    logical names are replicated (else refused)."""
 
     name: str
     module: type
     presets: Mapping[str, Callable[[], object]]
     default_preset: str
     task: str  # "lm" (token sequences), "classification" (feature vectors + labels) or "clicks" (recommendations)
+    replicate_unnamed: bool = False
 
 
 _MODELS: dict[str, ModelSpec] = {}
@@ -46,27 +49,83 @@ def register_model(
     *,
     task: str = "lm",
     default_preset: str | None = None,
+    replicate_unnamed: bool = False,
 ) -> ModelSpec:
-    """Make `--model NAME[-PRESET]` build `module(presets[PRESET](), rngs=...)`.
+    """Make `--model NAME[-PRESET]` (and `jaxtrain.config("NAME-PRESET")`) build `module(presets[PRESET](),
+    rngs=nnx.Rngs(seed))`.
 
-    What a model provides: `loss(batch) -> (loss, metrics)`, a scalar mean over the batch's examples; parameters
-    created as `nnx.Param(value, out_sharding=(logical names...))`, one name (or None) per dimension, which the
-    sharding rules map to mesh axes; a frozen config dataclass per preset, optionally with `train_flops(batch_size,
-    seq_len)` (without it, FLOPs come from XLA's cost analysis of the compiled step). Registering a name again
-    replaces it (re-running a notebook cell). `default_preset`: what a bare `NAME` means (default: the first preset).
+    What the model provides:
+
+    - `module(config, rngs=...)` builds it; nothing in it knows about meshes or the run config.
+    - `loss(batch) -> (loss, metrics)`: a scalar mean over the batch's examples and a dict of scalar metrics (may be
+      empty). The batch is the task's: `lm` {"tokens": int32 (B, T + 1)}; `classification` {"x": float32 (B, F),
+      "y": int32 (B,)}; `clicks` the recommender batch of `jaxtrain.data.clicks`.
+    - Logical names on every parameter, one per dimension (a name or None), which the sharding rules map to mesh
+      axes: `nnx.Param(value, out_sharding=("embed", "mlp"))`, or for Flax layers `kernel_init=
+      nnx.with_partitioning(init, ("embed", "mlp"))`. A parameter without names is refused, naming it, unless
+      `replicate_unnamed=True`: then every device keeps the whole of it.
+    - A config dataclass per preset (`presets`: preset name -> a callable returning one, e.g. the class itself),
+      whose fields become `key=value` overrides. Optional fields the data reads: `vocab_size` (lm), `in_features`
+      and `n_classes` (classification). Optional `train_flops(batch_size, seq_len) -> float`, the model FLOPs of a
+      step for throughput and MFU; without it, they come from XLA's cost analysis of the compiled step, which counts
+      the body of a loop once (a model that scans its layers is undercounted).
+
+    `default_preset`: what a bare `NAME` means (default: the first preset). Registering a name again replaces it
+    (re-running a notebook cell). Returns the `ModelSpec`.
+
+    >>> import dataclasses, jax, optax
+    >>> from flax import nnx
+    >>> import jaxtrain
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class BigramConfig:
+    ...     vocab_size: int = 256
+    >>> class Bigram(nnx.Module):
+    ...     def __init__(self, cfg: BigramConfig, rngs: nnx.Rngs):
+    ...         table = 0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.vocab_size))
+    ...         self.table = nnx.Param(table, out_sharding=("vocab", None))
+    ...     def loss(self, batch):
+    ...         tokens = batch["tokens"]  # (B, T + 1)
+    ...         logits = self.table[...][tokens[:, :-1]]  # (B, T, V)
+    ...         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), {}
+    >>> jaxtrain.register_model("bigram", Bigram, {"base": BigramConfig})   # doctest: +ELLIPSIS
+    ModelSpec(name='bigram', ...)
+    >>> cfg = jaxtrain.config("bigram", mesh="data=-1", steps=5)
     """
-    if "-" in name or not name:
-        raise UserInputError(f"model name '{name}': a name must be non-empty without '-' (it separates the preset).")
+    _check_name(name)
     if task not in TASKS:
-        raise UserInputError(f"model '{name}': task='{task}' is not one of {', '.join(TASKS)}.")
-    if not presets:
-        raise UserInputError(f"model '{name}' has no presets: give at least one, e.g. {{'tiny': MyConfig}}.")
+        raise ModelRegistrationError(f"model '{name}': task='{task}' is not one of {', '.join(TASKS)}.")
+    if not callable(module) or not callable(getattr(module, "loss", None)):
+        raise ModelRegistrationError(
+            f"model '{name}': {module!r} is not a model class with a loss(batch) -> (loss, metrics) method."
+        )
+    _check_presets(name, presets)
     default = default_preset or next(iter(presets))
     if default not in presets:
-        raise UserInputError(f"model '{name}': default_preset='{default}' is not one of {', '.join(presets)}.")
-    spec = ModelSpec(name, module, dict(presets), default, task)
+        raise ModelRegistrationError(f"model '{name}': default_preset='{default}' is not one of {', '.join(presets)}.")
+    spec = ModelSpec(name, module, dict(presets), default, task, replicate_unnamed)
     _MODELS[name] = spec
     return spec
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or "-" in name:
+        raise ModelRegistrationError(
+            f"model name {name!r}: a name must be a non-empty string without '-' (it separates the preset)."
+        )
+
+
+def _check_presets(name: str, presets: Mapping[str, Callable[[], object]]) -> None:
+    """Each preset a callable returning a config dataclass: its fields are the `key=value` overrides."""
+    if not presets:
+        raise ModelRegistrationError(f"model '{name}' has no presets: give at least one, e.g. {{'tiny': MyConfig}}.")
+    for preset, make in presets.items():
+        made = make() if callable(make) else None
+        if not dataclasses.is_dataclass(made) or isinstance(made, type):
+            got = f"it returns a {type(made).__name__}" if callable(make) else "it is not callable"
+            raise ModelRegistrationError(
+                f"model '{name}', preset '{preset}': {make!r} should be a callable returning a config dataclass "
+                f"instance (e.g. the dataclass itself), but {got}."
+            )
 
 
 def available_models() -> dict[str, ModelSpec]:
@@ -81,7 +140,12 @@ def resolve_model(choice: str) -> tuple[ModelSpec, str]:
     if name not in _MODELS:
         _load_entry_points()
     if name not in _MODELS:
-        raise UserInputError(f"unknown model '{name}'. Available: {', '.join(sorted(_MODELS)) or 'none'}.")
+        close = difflib.get_close_matches(name, _MODELS, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        available = ", ".join(sorted(_MODELS)) or "none"
+        raise UserInputError(
+            f"unknown model '{name}'. Available: {available}.{hint} A model of your own: jaxtrain.register_model."
+        )
     spec = _MODELS[name]
     preset = preset or spec.default_preset
     if preset not in spec.presets:
@@ -96,5 +160,8 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
+    registered_first = dict(_MODELS)
     for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         entry_point.load()  # importing the package registers its models
+    # A model a user registered before the packages loaded keeps its name: the user chose it, not the import order.
+    _MODELS.update(registered_first)

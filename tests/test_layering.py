@@ -21,6 +21,7 @@ LAYERS = {
     "jaxtrain.files": 0,
     "jaxtrain.formatting": 0,
     "jaxtrain.registry": 0,
+    "jaxtrain.devices": 0,
     "jaxtrain.analysis": 1,
     "jaxtrain.sharding": 1,
     "jaxtrain.data": 1,

@@ -78,4 +78,4 @@ def test_quickstart_runs_and_reruns(kernel_env):
         assert len(before) == 15  # 30 steps, logged every 2
 
         with pytest.raises(CellExecutionError, match="DeviceSetupError.*Restart the process"):
-            run_scratch(client, "use_simulated_devices(4)")
+            run_scratch(client, "jaxtrain.use_simulated_devices(4)")

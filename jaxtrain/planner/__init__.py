@@ -1,0 +1,1 @@
+from jaxtrain.planner.estimate import estimate, plan_report  # noqa: F401 - the package API

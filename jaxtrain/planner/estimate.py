@@ -261,7 +261,7 @@ def estimate(cfg: RunConfig, chip: Chip, devices: int, layout: MeshLayout | None
     mesh = abstract_mesh(layout, devices)
     spec, _ = resolve_model(cfg.model_name)
     rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
-    model = split_model(functools.partial(spec.module, cfg.model))
+    model = split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
     optimizer, _ = make_optimizer(cfg.optimizer, cfg.train.steps)
     t = cfg.train
     policy = UpdatePolicy(t.sync, t.sync_every, t.staleness, t.outer_lr, t.outer_momentum)

@@ -35,22 +35,37 @@ class ModelParts:
             return nnx.to_pure_dict(nnx.state(self.build(nnx.Rngs(seed)), nnx.Param))
 
 
-def split_model(build: Callable[[nnx.Rngs], nnx.Module]) -> ModelParts:
-    """Trace `build` abstractly (no memory) and read each parameter's logical names from its metadata."""
+def split_model(build: Callable[[nnx.Rngs], nnx.Module], replicate_unnamed: bool = False) -> ModelParts:
+    """Trace `build` abstractly (no memory) and read each parameter's logical names from its metadata.
+
+    A parameter without names is a `PlanError` naming it, unless `replicate_unnamed`: then every device keeps the
+    whole of it (its dims are named None)."""
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
     names: dict = {}
+    unnamed = []
     for path, variable in nnx.to_flat_state(state):
         logical = variable.get_metadata().get("out_sharding")
         if logical is None:
-            raise PlanError(
-                f"parameter '{path_str(path)}' has no logical axis names. Create it with "
-                "nnx.Param(value, out_sharding=(...)) so the rules can place it."
-            )
+            unnamed.append(f"'{path_str(path)}' {tuple(variable.shape)}")
+            logical = (None,) * len(variable.shape)
         _set_path(names, path, tuple(logical))
+    if unnamed and not replicate_unnamed:
+        raise PlanError(_unnamed_message(unnamed))
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     return ModelParts(graphdef, params, names, build)
+
+
+def _unnamed_message(unnamed: list[str]) -> str:
+    shown = ", ".join(unnamed[:5]) + (f" and {len(unnamed) - 5} more" if len(unnamed) > 5 else "")
+    return (
+        f"{len(unnamed)} parameter{'s' if len(unnamed) > 1 else ''} without logical axis names, which the sharding "
+        f"rules need to place them: {shown}. Name each dimension where the parameter is created: "
+        "nnx.Param(value, out_sharding=('embed', 'mlp')), or for a Flax layer e.g. nnx.Linear(..., "
+        "kernel_init=nnx.with_partitioning(init, ('embed', 'mlp'))); or register the model with "
+        "replicate_unnamed=True to keep every unnamed parameter whole on each device."
+    )
 
 
 def _set_path(tree: dict, path: tuple, value: Any) -> None:

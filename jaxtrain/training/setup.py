@@ -152,7 +152,7 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     verbose = cfg.train.verbose
     log(describe_mesh(mesh) if verbose else describe_mesh(mesh).splitlines()[0])  # the first line names the axes
 
-    model = split_model(functools.partial(spec.module, cfg.model))
+    model = split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
     if mesh.shape["pipeline"] > 1:  # a model the pipeline cannot split is an error before any data is read
         stacked_layer_count(model.logical_names, model.abstract_params)
     optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)

@@ -10,7 +10,7 @@ from jaxtrain.analysis.chips import CHIPS, ChipError, chip
 from jaxtrain.cli import main
 from jaxtrain.config import apply_overrides, default_config
 from jaxtrain.errors import UserInputError
-from jaxtrain.planner.estimate import USABLE_HBM, comm_by_axes, estimate, fits_with, measure, plan_report
+from jaxtrain.planner import USABLE_HBM, comm_by_axes, estimate, fits_with, format_estimate, measure, plan_report
 
 TINY = ["batch_size=8", "seq_len=32", "train.steps=10"]
 # Collective bytes per set of mesh axes must agree within 25%. XLA decides details the analytic model does not
@@ -125,6 +125,17 @@ def test_big_layouts_plan_without_devices(model, mesh, chip_name, batch):
     assert 0 < est.mfu[1] <= est.mfu[0] <= 1
 
 
+def test_pipeline_stage_activations_are_the_layer_stacks_carry():
+    """Under pipeline=2 the residual stream (one device's rows: batch 8 / data 2, 32 tokens, d_model 64, float32)
+    crosses the stage boundary forward and its gradient back: the carry of the layer stack's scan, read from jax
+    0.12's scan equation."""
+    cfg = _cfg("gpt-tiny", [*TINY, "mesh=cpu8-pipeline"])
+    est = estimate(cfg, chip("v5p"), 8)
+    (stage,) = [t for t in est.transfers if t.axes == ("pipeline",)]
+    assert (stage.kind, stage.what) == ("collective-permute", "stage activations")
+    assert stage.bytes == 2 * (8 // 2) * 32 * cfg.model.d_model * 4
+
+
 def test_too_big_gets_a_change_that_fits():
     # gpt-small on 8 v5e (16 GiB) with 32 rows of 1024 tokens per chip: the saved attention activations alone
     # (12 layers x 12 heads x 1024^2 scores per row, f32 and bf16 copies) are several times the HBM.
@@ -136,7 +147,7 @@ def test_too_big_gets_a_change_that_fits():
     for _, changed in changes:
         again = estimate(changed.cfg, changed.chip, changed.devices, changed.layout)  # fresh, from the change alone
         assert again.fits and again.memory.peak == changed.memory.peak
-    assert "does not fit" in est.format(changes)
+    assert "does not fit" in format_estimate(est, changes)
 
 
 def test_bad_input_is_a_clear_error(capsys):

@@ -3,6 +3,9 @@ the changes it suggests, and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import pytest
 
@@ -110,6 +113,34 @@ def test_flops_and_state_match_the_model_formulas():
     norms = (2 * m.n_layers + 1) * m.d_model  # replicated
     assert est.memory.params == 4 * ((m.num_params() - norms) / 256 + norms)
     assert est.memory.opt_state == pytest.approx(2 * est.memory.params, rel=0.01)  # AdamW: two moments
+
+
+@dataclasses.dataclass(frozen=True)
+class WithoutTrainFlops:
+    """A shipped model's config as a user's own may be: the same fields, no `train_flops`."""
+
+    inner: Any
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "train_flops"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_model_flops_without_train_flops_are_three_forward_passes(remat):
+    """A config without `train_flops` gets 3 x the traced forward pass's matmul FLOPs: the model formula plus the
+    masked half of attention, whatever remat recomputes; every other figure is the same as with `train_flops`."""
+    cfg = _cfg("gpt-tiny", [*TINY, "mesh=data=2,tensor=4", f"remat={remat}"])
+    counted = estimate(cfg, chip("v5p"), 8)
+    traced = estimate(dataclasses.replace(cfg, model=WithoutTrainFlops(cfg.model)), chip("v5p"), 8)
+    m, tokens = cfg.model, 8 * 32
+    attention_unmasked = 6.0 * m.n_layers * 32 * m.d_model * tokens  # the half train_flops leaves out
+    assert traced.model_flops == pytest.approx((m.train_flops(8, 32) + attention_unmasked) / 8, rel=1e-6)
+    assert not counted.model_flops_traced and traced.model_flops_traced
+    assert (traced.flops, traced.memory, traced.transfers) == (counted.flops, counted.memory, counted.transfers)
+    assert (traced.flops > traced.model_flops) == (remat == "full")  # recompute is executed, not the model's work
+    assert "3 x the traced forward pass: the config has no train_flops" in format_estimate(traced)
 
 
 @pytest.mark.parametrize("model", ["gpt-small", "gpt-1b"])

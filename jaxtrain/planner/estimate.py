@@ -17,7 +17,8 @@ How each figure is found (all per device):
   links (ICI or NVLink inside a slice or host, DCN or InfiniBand across `dcn_axes`). The step lies between the
   largest of the three (communication hidden under compute) and compute-or-memory plus all communication (none
   hidden).
-- model FLOPs (for MFU): the model config's `train_flops(batch_size, seq_len)`.
+- model FLOPs (for MFU): the model config's `train_flops(batch_size, seq_len)`; a config without one gets 3 x the
+  traced forward pass's matmul and convolution FLOPs (forward and backward, remat recompute left out).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class Estimate:
     flops: float  # executed, remat recompute included
     model_flops: float  # the model's own count, for MFU
     hbm_bytes: float
+    model_flops_traced: bool = False  # the config has no `train_flops`: model_flops is 3 x the traced forward pass
 
     @property
     def devices(self) -> int:
@@ -146,6 +148,7 @@ def estimate(cfg: RunConfig, chip: Chip, devices: int, layout: MeshLayout | None
     batch = plan.abstract_batch(shapes, accum)  # checks the batch divides
     step = StepTrace(plan, shapes, accum)
     memory = _memory(plan, batch, step, accum)
+    model_flops, traced = _model_flops(cfg, task, step, devices)
     return Estimate(
         cfg,
         layout,
@@ -155,8 +158,9 @@ def estimate(cfg: RunConfig, chip: Chip, devices: int, layout: MeshLayout | None
         memory,
         merge_transfers([*weight_transfers(plan, accum, step.used), *step.transfers()]),
         flops=step.flops,
-        model_flops=cfg.model.train_flops(cfg.data.batch_size, cfg.data.seq_len if task == "lm" else 1) / devices,
+        model_flops=model_flops,
         hbm_bytes=step.matmul_bytes + 2 * (memory.params + memory.opt_state) + 2 * memory.grads,
+        model_flops_traced=traced,
     )
 
 
@@ -193,6 +197,18 @@ def _memory(plan: Plan, batch: object, step: StepTrace, accum: int) -> Memory:
         activations=step.saved_bytes(),
         working=step.working_bytes() + gathered_layer_bytes(plan, step.used),
     )
+
+
+def _model_flops(cfg: RunConfig, task: str, step: StepTrace, devices: int) -> tuple[float, bool]:
+    """Model FLOPs per device per step, and whether they were traced: the config's `train_flops(batch_size,
+    seq_len)` where it defines one, else 3 x the forward pass's traced matmul and convolution FLOPs (a backward pass
+    costs two forward passes; remat recompute is not the model's work). Unlike XLA's cost analysis (the runtime's
+    fallback), the trace counts every trip of a scanned layer stack."""
+    train_flops = getattr(cfg.model, "train_flops", None)
+    if train_flops is None:
+        return 3 * step.forward_flops(), True
+    seq_len = cfg.data.seq_len if task == "lm" else 1
+    return train_flops(cfg.data.batch_size, seq_len) / devices, False
 
 
 def fits_with(est: Estimate, limit: int = 4) -> list[tuple[str, Estimate]]:

@@ -78,11 +78,12 @@ def _time_lines(est: Estimate) -> list[str]:
     c = est.chip
     fast, slow = est.comm_s(slow=False), est.comm_s(slow=True)
     hidden, exposed = est.step_s
+    traced = ", 3 x the traced forward pass: the config has no train_flops" if est.model_flops_traced else ""
     return [
         f"time per step (roofline of {c.name}: {c.peak_bf16 / 1e12:.0f} TFLOP/s bf16, HBM "
         f"{c.hbm_bw / 1e9:.0f} GB/s, fast links {c.ici_bw / 1e9:.0f} GB/s, slow links {c.dcn_bw / 1e9:.2f} GB/s "
         "per chip)",
-        f"  compute        {est.flops:.3e} FLOPs ({est.model_flops:.3e} model FLOPs) {_ms(est.compute_s)}",
+        f"  compute        {est.flops:.3e} FLOPs ({est.model_flops:.3e} model FLOPs{traced}) {_ms(est.compute_s)}",
         f"  HBM traffic    {fmt_bytes(est.hbm_bytes)} {_ms(est.memory_s)}",
         f"  communication  fast links {_ms(fast)}, slow links {_ms(slow)}",
         f"  step           {_ms(hidden)} (communication hidden) to {_ms(exposed)} (none hidden); "

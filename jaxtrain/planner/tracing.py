@@ -75,6 +75,14 @@ class StepTrace:
                 sizes.append(self._residual_bytes(jaxpr_as_fun(ClosedJaxpr(body, [])), args))
         return max(sizes)
 
+    def forward_flops(self) -> float:
+        """Per-device FLOPs of the forward pass's matmuls and convolutions per step (all microbatches)."""
+        flow = Flow(self.shares, self.loss_jaxpr, self.param_specs)
+        flops = sum(
+            trips * _flops(eqn, self.shares, flow) for eqn, trips in walk(self.loss_jaxpr, flow=flow) if _is_matmul(eqn)
+        )
+        return flops * self.accum
+
     def _residual_bytes(self, fn: Any, args: Sequence[Any], param_specs: Sequence[Spec] = ()) -> float:
         """Per-device bytes of what `jax.vjp(fn, *args)` keeps for the backward pass, not counting its inputs."""
         closed = self._trace(lambda *a: jax.vjp(fn, *a)[1], args)

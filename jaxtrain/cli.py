@@ -299,7 +299,7 @@ def plan_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--no-check", action="store_true", help="do not compile the step, even with enough devices")
     args = _train_args(argv, parser)
-    from jaxtrain.planner.estimate import plan_report
+    from jaxtrain.planner import plan_report
 
     cfg = _run_config(args)
     if cfg is not None:

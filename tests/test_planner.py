@@ -3,6 +3,9 @@ the changes it suggests, and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import pytest
 
@@ -10,7 +13,7 @@ from jaxtrain.analysis.chips import CHIPS, ChipError, chip
 from jaxtrain.cli import main
 from jaxtrain.config import apply_overrides, default_config
 from jaxtrain.errors import UserInputError
-from jaxtrain.planner.estimate import USABLE_HBM, comm_by_axes, estimate, fits_with, measure, plan_report
+from jaxtrain.planner import USABLE_HBM, comm_by_axes, estimate, fits_with, format_estimate, measure, plan_report
 
 TINY = ["batch_size=8", "seq_len=32", "train.steps=10"]
 # Collective bytes per set of mesh axes must agree within 25%. XLA decides details the analytic model does not
@@ -112,6 +115,34 @@ def test_flops_and_state_match_the_model_formulas():
     assert est.memory.opt_state == pytest.approx(2 * est.memory.params, rel=0.01)  # AdamW: two moments
 
 
+@dataclasses.dataclass(frozen=True)
+class WithoutTrainFlops:
+    """A shipped model's config as a user's own may be: the same fields, no `train_flops`."""
+
+    inner: Any
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "train_flops"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_model_flops_without_train_flops_are_three_forward_passes(remat):
+    """A config without `train_flops` gets 3 x the traced forward pass's matmul FLOPs: the model formula plus the
+    masked half of attention, whatever remat recomputes; every other figure is the same as with `train_flops`."""
+    cfg = _cfg("gpt-tiny", [*TINY, "mesh=data=2,tensor=4", f"remat={remat}"])
+    counted = estimate(cfg, chip("v5p"), 8)
+    traced = estimate(dataclasses.replace(cfg, model=WithoutTrainFlops(cfg.model)), chip("v5p"), 8)
+    m, tokens = cfg.model, 8 * 32
+    attention_unmasked = 6.0 * m.n_layers * 32 * m.d_model * tokens  # the half train_flops leaves out
+    assert traced.model_flops == pytest.approx((m.train_flops(8, 32) + attention_unmasked) / 8, rel=1e-6)
+    assert not counted.model_flops_traced and traced.model_flops_traced
+    assert (traced.flops, traced.memory, traced.transfers) == (counted.flops, counted.memory, counted.transfers)
+    assert (traced.flops > traced.model_flops) == (remat == "full")  # recompute is executed, not the model's work
+    assert "3 x the traced forward pass: the config has no train_flops" in format_estimate(traced)
+
+
 @pytest.mark.parametrize("model", ["gpt-small", "gpt-1b"])
 @pytest.mark.parametrize("mesh,chip_name,batch", [("tpu-v5p-512", "v5p", 512), ("gpu-8x8-h100", "h100", 256)])
 def test_big_layouts_plan_without_devices(model, mesh, chip_name, batch):
@@ -125,6 +156,17 @@ def test_big_layouts_plan_without_devices(model, mesh, chip_name, batch):
     assert 0 < est.mfu[1] <= est.mfu[0] <= 1
 
 
+def test_pipeline_stage_activations_are_the_layer_stacks_carry():
+    """Under pipeline=2 the residual stream (one device's rows: batch 8 / data 2, 32 tokens, d_model 64, float32)
+    crosses the stage boundary forward and its gradient back: the carry of the layer stack's scan, read from jax
+    0.12's scan equation."""
+    cfg = _cfg("gpt-tiny", [*TINY, "mesh=cpu8-pipeline"])
+    est = estimate(cfg, chip("v5p"), 8)
+    (stage,) = [t for t in est.transfers if t.axes == ("pipeline",)]
+    assert (stage.kind, stage.what) == ("collective-permute", "stage activations")
+    assert stage.bytes == 2 * (8 // 2) * 32 * cfg.model.d_model * 4
+
+
 def test_too_big_gets_a_change_that_fits():
     # gpt-small on 8 v5e (16 GiB) with 32 rows of 1024 tokens per chip: the saved attention activations alone
     # (12 layers x 12 heads x 1024^2 scores per row, f32 and bf16 copies) are several times the HBM.
@@ -136,7 +178,7 @@ def test_too_big_gets_a_change_that_fits():
     for _, changed in changes:
         again = estimate(changed.cfg, changed.chip, changed.devices, changed.layout)  # fresh, from the change alone
         assert again.fits and again.memory.peak == changed.memory.peak
-    assert "does not fit" in est.format(changes)
+    assert "does not fit" in format_estimate(est, changes)
 
 
 def test_bad_input_is_a_clear_error(capsys):

@@ -1,1 +1,34 @@
-from jaxtrain.planner.estimate import estimate, plan_report  # noqa: F401 - the package API
+"""Plan a run for hardware this machine does not have: per-device memory, collectives per step and a roofline step
+time for a model, a mesh layout of any size and a chip, from abstract shapes alone (nothing is allocated or
+compiled). Where enough devices exist, `measure` compiles the real train step to check the estimate.
+
+    >>> from jaxtrain.planner import estimate, fits_with, format_estimate, plan_report
+    >>> cfg = apply_overrides(default_config("gpt-1b"), ["mesh=tpu-v5p-256", "batch_size=512", "seq_len=2048"])
+    >>> est = estimate(cfg, chip("v5p"), devices=256)                         # doctest: +SKIP
+    >>> print(format_estimate(est, fits_with(est)))                           # doctest: +SKIP
+    >>> print(plan_report(cfg, "v5p", 256))       # the same, as `jaxtrain plan` prints it   # doctest: +SKIP
+
+Modules, each importing only those above it: `transfers` (a collective), `layouts` (what a device holds of a traced
+value), `weights` (how params are gathered and their gradients reduced), `tracing` (the step's jaxpr read for
+residuals, FLOPs and collectives), `estimate` (memory, time, verdict, `fits_with`), `measure` (the compiled check),
+`report` (the text).
+"""
+
+from jaxtrain.planner.estimate import USABLE_HBM, Estimate, Memory, estimate, fits_with
+from jaxtrain.planner.measure import Measured, measure
+from jaxtrain.planner.report import format_estimate, plan_report
+from jaxtrain.planner.transfers import Transfer, comm_by_axes
+
+__all__ = [
+    "USABLE_HBM",
+    "Estimate",
+    "Measured",
+    "Memory",
+    "Transfer",
+    "comm_by_axes",
+    "estimate",
+    "fits_with",
+    "format_estimate",
+    "measure",
+    "plan_report",
+]

@@ -1,0 +1,165 @@
+"""What `jaxtrain plan` prints: an estimate's memory table, collectives, roofline time and verdict, with the
+compiled step's figures beside the estimates when it was measured and the changes that fit when it does not."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+
+from jaxtrain.analysis.chips import CHIPS, ChipError, chip, chip_for_device_kind
+from jaxtrain.config import RunConfig
+from jaxtrain.formatting import fmt_bytes, format_table
+from jaxtrain.planner.estimate import USABLE_HBM, Estimate, Memory, estimate, fits_with
+from jaxtrain.planner.measure import Measured, measure
+from jaxtrain.planner.transfers import Transfer, comm_by_axes
+from jaxtrain.registry import resolve_model
+from jaxtrain.sharding.mesh import parse_layout
+
+
+def plan_report(cfg: RunConfig, chip_name: str | None, devices: int | None, check: bool = True) -> str:
+    """What `jaxtrain plan` prints: the estimate for `devices` chips called `chip_name` (default: this machine's
+    chips and count, or the layout's fixed size), the changes that would make it fit, and, when this process has
+    enough devices and `check`, the compiled step's figures beside the estimates.
+
+    >>> cfg = apply_overrides(default_config("gpt-1b"), ["mesh=tpu-v5p-256", "batch_size=512"])  # doctest: +SKIP
+    >>> print(plan_report(cfg, "v5p", 256))                                                      # doctest: +SKIP
+    """
+    layout = parse_layout(cfg.mesh)
+    if devices is None:
+        fixed = -1 not in layout.axes.values()
+        devices = math.prod([*layout.axes.values(), *layout.dcn_axes.values()]) if fixed else jax.device_count()
+    spec = chip(chip_name) if chip_name else chip_for_device_kind(jax.devices()[0].device_kind)
+    if spec is None:
+        raise ChipError(f"say which chip to plan for with --chip: one of {', '.join(CHIPS)}.")
+    est = estimate(cfg, spec, devices, layout)
+    measured, note = None, ""
+    if not check:
+        note = "check: skipped (--no-check)"
+    elif devices > jax.device_count():
+        note = (
+            f"check: not compiled: the mesh has {devices} devices, this process {jax.device_count()} "
+            f"(--simulated-devices {devices} compiles it on that many CPU devices)"
+        )
+    else:
+        measured = measure(cfg, jax.devices()[:devices])
+        note = f"check: compiled the train step on {devices} {measured.platform} devices (figures beside the estimates)"
+    return format_estimate(est, fits_with(est), measured) + "\n" + note
+
+
+def format_estimate(
+    est: Estimate, changes: Sequence[tuple[str, Estimate]] = (), measured: Measured | None = None
+) -> str:
+    """The memory table, collectives, roofline time and verdict of `est`; compiled figures beside the estimates
+    when `measured` is given; `changes` (from `fits_with`) when it does not fit."""
+    lines = [f"plan: {describe(est)}"]
+    lines += _memory_table(est.memory, measured)
+    lines += _comm_table(est.transfers, measured)
+    lines += _time_lines(est)
+    lines += _verdict(est, changes)
+    return "\n".join(lines)
+
+
+def describe(est: Estimate) -> str:
+    """One line: model, batch, mesh, chip."""
+    t, d, live = est.cfg.train, est.cfg.data, [f"{a}={n}" for a, n in est.mesh_shape.items() if n > 1]
+    remat = getattr(est.cfg.model, "remat", None)
+    seq = f" x seq {d.seq_len}" if resolve_model(est.cfg.model_name)[0].task == "lm" else ""
+    hosts = f"; across hosts: {' '.join(sorted(est.slow_axes))}" if est.slow_axes else ""
+    return (
+        f"{est.cfg.model_name}, batch {d.batch_size}{seq}, grad_accum {t.grad_accum}"
+        f"{f', remat {remat}' if remat else ''}; mesh '{est.layout.name}' ({' '.join(live) or 'one device'}; "
+        f"{est.devices} x {est.chip.name}{hosts})"
+    )
+
+
+def _time_lines(est: Estimate) -> list[str]:
+    c = est.chip
+    fast, slow = est.comm_s(slow=False), est.comm_s(slow=True)
+    hidden, exposed = est.step_s
+    traced = ", 3 x the traced forward pass: the config has no train_flops" if est.model_flops_traced else ""
+    return [
+        f"time per step (roofline of {c.name}: {c.peak_bf16 / 1e12:.0f} TFLOP/s bf16, HBM "
+        f"{c.hbm_bw / 1e9:.0f} GB/s, fast links {c.ici_bw / 1e9:.0f} GB/s, slow links {c.dcn_bw / 1e9:.2f} GB/s "
+        "per chip)",
+        f"  compute        {est.flops:.3e} FLOPs ({est.model_flops:.3e} model FLOPs{traced}) {_ms(est.compute_s)}",
+        f"  HBM traffic    {fmt_bytes(est.hbm_bytes)} {_ms(est.memory_s)}",
+        f"  communication  fast links {_ms(fast)}, slow links {_ms(slow)}",
+        f"  step           {_ms(hidden)} (communication hidden) to {_ms(exposed)} (none hidden); "
+        f"MFU {est.mfu[1]:.0%} to {est.mfu[0]:.0%}",
+    ]
+
+
+def _verdict(est: Estimate, changes: Sequence[tuple[str, Estimate]]) -> list[str]:
+    usable, peak = USABLE_HBM * est.chip.hbm_bytes, est.memory.peak
+    share = f"peak {fmt_bytes(peak)} of {fmt_bytes(usable)} usable ({USABLE_HBM:.0%} of {est.chip.name}'s HBM)"
+    if est.fits:
+        return [f"verdict: fits: {share}, {peak / usable:.0%} used"]
+    lines = [f"verdict: does not fit: {share}"]
+    if not changes:
+        return [*lines, "  no change tried fits (more FSDP, remat, gradient accumulation): use more chips"]
+    lines.append("  changes that fit, re-estimated (fastest first):")
+    for label, e in changes:
+        lines.append(f"    {label}: peak {fmt_bytes(e.memory.peak)}, step {_ms(e.step_s[1])}, MFU {e.mfu[1]:.0%}")
+    return lines
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds, or microseconds below one (a small model's step would read 0.00 ms)."""
+    return f"{seconds * 1e3:,.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:,.2f} us"
+
+
+def _ratio(estimate: float, measured: float | None) -> str:
+    return f"{estimate / measured:.2f}" if measured else "-"
+
+
+def _memory_table(m: Memory, measured: Measured | None) -> list[str]:
+    compiled = f"compiled ({measured.platform})" if measured else ""
+    rows = [("memory per device", "estimate", compiled, "est/compiled" if measured else "")]
+    parts = [
+        ("params", m.params),
+        ("optimizer state", m.opt_state),
+        ("step and policy state", m.other_state),
+        ("batch", m.batch),
+    ]
+    rows += [(f"  {label}", fmt_bytes(b), "", "") for label, b in parts]
+    got = measured.arguments if measured else None
+    rows.append(("= arguments", fmt_bytes(m.arguments), fmt_bytes(got) if got else "", _ratio(m.arguments, got)))
+    rows += [
+        ("  gradients", fmt_bytes(m.grads), "", ""),
+        ("  activations saved for backward", fmt_bytes(m.activations), "", ""),
+        ("  working set of one layer", fmt_bytes(m.working), "", ""),
+    ]
+    got = measured.peak if measured else None
+    rows.append(("= peak", fmt_bytes(m.peak), fmt_bytes(got) if got else "", _ratio(m.peak, got)))
+    return [line.rstrip() for line in format_table([r if measured else r[:2] for r in rows])]
+
+
+def _comm_table(transfers: Sequence[Transfer], measured: Measured | None) -> list[str]:
+    """Estimated collectives; with `measured`, per set of axes the estimate (as XLA on that platform does it)
+    beside the compiled program's bytes."""
+    lines = ["communication per step (bytes each device sends)"]
+    if not transfers and not (measured and measured.comm):
+        return lines + ["  none"]
+    rows = [("axes", "collective", "what", "estimate")]
+    rows += [(" ".join(t.axes), t.kind, t.what, fmt_bytes(t.bytes)) for t in transfers]
+    lines += ["  " + line.rstrip() for line in format_table(rows)]
+    if measured:
+        lines += _comm_beside_compiled(transfers, measured)
+    return lines
+
+
+def _comm_beside_compiled(transfers: Sequence[Transfer], measured: Measured) -> list[str]:
+    on_platform = [t.on_cpu() for t in transfers] if measured.platform == "cpu" else transfers
+    estimated = comm_by_axes(on_platform)
+    rows = [("axes", "estimate", f"compiled ({measured.platform})", "est/compiled")]
+    for axes in sorted(set(estimated) | set(measured.comm), key=lambda a: -measured.comm.get(a, 0.0)):
+        got, est = measured.comm.get(axes, 0.0), estimated.get(axes, 0.0)
+        rows.append((" ".join(axes) or "-", fmt_bytes(est), fmt_bytes(got), _ratio(est, got)))
+    cpu = measured.platform == "cpu"
+    note = " (XLA:CPU all-reduces where accelerators reduce-scatter: estimated that way)" if cpu else ""
+    return [
+        f"  per set of axes, beside the compiled step{note}",
+        *("  " + line.rstrip() for line in format_table(rows)),
+    ]

@@ -1,0 +1,278 @@
+"""The train step of a plan, traced (not compiled) for one microbatch under the activation constraints, and read
+for what the estimate needs: residuals kept for the backward pass, FLOPs and bytes of every matmul and convolution,
+the collectives the traced ops imply and how each parameter is used.
+
+Collectives read from the trace (those of the weights are `jaxtrain.planner.weights`'): rows of a table looked up on
+devices that split them are found locally and summed: reduce-scattered over those devices (their gradients gathered
+back) or all-reduced. A constraint moving an axis from one dim of its input to another is an all-to-all (an MoE's
+tokens to their experts and back); one dropping an axis an all-gather. An all-reduce of the result of every
+contraction or reduction over a dim split on another axis (tensor parallelism); under a pipeline, the activations at
+stage boundaries forward and their gradients back.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+
+from jaxtrain.analysis.comm_report import SEND_SHARE
+from jaxtrain.planner.layouts import Flow, Shares, Spec, body_of, spec_entries, walk
+from jaxtrain.planner.transfers import Transfer
+from jaxtrain.planner.weights import params_in_use
+from jaxtrain.sharding.constraints import activation_sharding
+from jaxtrain.sharding.mesh import MESH_AXES
+from jaxtrain.sharding.rules import is_logical_names
+from jaxtrain.training.plan import Plan
+
+# Ops that combine values along a dim: when that dim is split over a mesh axis the result is a partial sum there.
+_COMBINING = {"dot_general", "gather"} | {f"reduce_{op}" for op in ("sum", "max", "min", "prod", "and", "or")}
+_REMAT = {"remat2", "checkpoint"}  # jax.checkpoint's primitive (named remat2 in jax 0.12)
+_MATMULS = ("dot_general", "conv_general_dilated")
+
+
+class StepTrace:
+    """The loss and its gradient for one microbatch, traced (not compiled) under the activation constraints, and
+    read for residuals, FLOPs, matmul bytes, the collectives of split dims and how each parameter is used.
+
+    After construction: `flops` and `matmul_bytes` (per device per step, remat recompute included) and `used`
+    (param index -> the axes splitting the rows of the activations it meets)."""
+
+    def __init__(self, plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int):
+        self.plan, self.accum = plan, accum
+        self.shares = _shares(plan, shapes, accum)
+        self.param_specs = params_in_use(plan)
+        self.loss = lambda p, b: plan.model.loss_fn(p, b)[0]
+        probe = self.shares.probe
+        self.args = (
+            plan.model.abstract_params,
+            {k: jax.ShapeDtypeStruct((probe, *s.shape[1:]), s.dtype) for k, s in shapes.items()},
+        )
+        self.loss_jaxpr = self._trace(self.loss).jaxpr
+        self._read_grad(self._trace(jax.value_and_grad(self.loss)).jaxpr)
+
+    def _trace(self, fn: Any, args: Sequence[Any] | None = None) -> ClosedJaxpr:
+        with activation_sharding(self.plan.mesh, self.plan.rules):
+            return jax.make_jaxpr(fn)(*(args or self.args))
+
+    def saved_bytes(self) -> float:
+        """Residuals of the loss for one microbatch: what its forward pass keeps for the backward pass."""
+        return self._residual_bytes(self.loss, self.args, self.param_specs)
+
+    def working_bytes(self) -> float:
+        """The residuals of the largest loop body or remat region run as a function of its own, without its remat
+        policy: what the backward pass of one layer holds (recomputed under remat) besides the saved residuals."""
+        sizes = [0.0]
+        for eqn, _ in walk(self.loss_jaxpr):
+            if (eqn.primitive.name == "scan" or eqn.primitive.name in _REMAT) and not body_of(eqn).constvars:
+                body = body_of(eqn)
+                args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
+                sizes.append(self._residual_bytes(jaxpr_as_fun(ClosedJaxpr(body, [])), args))
+        return max(sizes)
+
+    def forward_flops(self) -> float:
+        """Per-device FLOPs of the forward pass's matmuls and convolutions per step (all microbatches)."""
+        flow = Flow(self.shares, self.loss_jaxpr, self.param_specs)
+        flops = sum(
+            trips * _flops(eqn, self.shares, flow) for eqn, trips in walk(self.loss_jaxpr, flow=flow) if _is_matmul(eqn)
+        )
+        return flops * self.accum
+
+    def _residual_bytes(self, fn: Any, args: Sequence[Any], param_specs: Sequence[Spec] = ()) -> float:
+        """Per-device bytes of what `jax.vjp(fn, *args)` keeps for the backward pass, not counting its inputs."""
+        closed = self._trace(lambda *a: jax.vjp(fn, *a)[1], args)
+        flow = Flow(self.shares, closed.jaxpr, param_specs)
+        for _ in walk(closed.jaxpr, flow=flow):
+            pass
+        inputs = set(closed.jaxpr.invars)
+        kept = {v for v in closed.jaxpr.outvars if not isinstance(v, Literal) and v not in inputs}
+        return sum(self.shares.bytes(v.aval, flow.of(v)) for v in kept)
+
+    def transfers(self) -> list[Transfer]:
+        """The collectives the traced step implies, per step (every microbatch's)."""
+        out = [dataclasses.replace(t, bytes=t.bytes * self.accum) for t in self._transfers]
+        if self.shares.mesh_shape.get("pipeline", 1) > 1:
+            out.append(Transfer(("pipeline",), "collective-permute", 2 * self._stage_io(), "stage activations"))
+        return out
+
+    def _read_grad(self, jaxpr: Jaxpr) -> None:
+        """FLOPs and bytes of every matmul and convolution; collectives of contractions over split dims, of
+        resharded activations and of lookups into split tables; the batch axes each parameter is used over."""
+        shares, flow = self.shares, Flow(self.shares, jaxpr, self.param_specs)
+        self.flops = self.matmul_bytes = 0.0
+        self._transfers: list[Transfer] = []
+        self.used: dict[int, set[str]] = collections.defaultdict(set)  # param -> axes splitting its inputs' rows
+        lookups: dict[Any, tuple[tuple[str, ...], float]] = {}  # a lookup's rows -> (axes to sum over, bytes)
+        for eqn, trips in walk(jaxpr, flow=flow):
+            if not eqn.outvars:
+                continue
+            self._note_uses(eqn, flow)
+            if _is_matmul(eqn):
+                self.flops += trips * _flops(eqn, shares, flow)
+                operands = [*((v.aval, flow.of(v)) for v in eqn.invars), (eqn.outvars[0].aval, flow.of(eqn.outvars[0]))]
+                self.matmul_bytes += trips * sum(shares.bytes(*a) for a in operands)
+            self._transfers += self._collectives(eqn, trips, flow, lookups)
+        for axes, b in lookups.values():  # rows looked up and never laid out again: summed where they are
+            self._transfers.extend(_lookup_sums(axes, b, None, shares.mesh_shape))
+        self.flops *= self.accum
+        self.matmul_bytes *= self.accum
+
+    def _collectives(self, eqn: Any, trips: int, flow: Flow, lookups: dict) -> list[Transfer]:
+        """What `eqn` sends: a lookup into a split table is noted in `lookups` until its rows are laid out again (a
+        sharding constraint) and summed there; a constraint reshards; a contraction over split dims all-reduces."""
+        shares, name, out = self.shares, eqn.primitive.name, eqn.outvars[0]
+        src = eqn.invars[0] if eqn.invars else None
+        if name == "gather" and src in flow.param:
+            if axes := self._lookup_axes(eqn, flow.param[src]):
+                lookups[out] = (axes, trips * shares.bytes(out.aval, flow.of(out)))
+        elif name in ("convert_element_type", "copy", "copy_p") and src in lookups:
+            lookups[out] = lookups.pop(src)
+        elif name == "sharding_constraint" and src in lookups:
+            return _lookup_sums(*lookups.pop(src), flow.of(out), shares.mesh_shape)
+        elif name == "sharding_constraint" and not isinstance(src, Literal):
+            return _reshards(src.aval, flow.of(src), flow.of(out), trips, shares)
+        elif name in _COMBINING:
+            combined = shares.model_axes(src.aval.shape, flow.of(src)) - shares.model_axes(out.aval.shape, flow.of(out))
+            b = shares.bytes(out.aval, flow.of(out))
+            return [
+                Transfer(
+                    (axis,),
+                    "all-reduce",
+                    trips * SEND_SHARE["all-reduce"](shares.mesh_shape[axis]) * b,
+                    "activations (split dims)",
+                )
+                for axis in combined - {"pipeline"}
+            ]
+        return []
+
+    def _note_uses(self, eqn: Any, flow: Flow) -> None:
+        """Record, for each parameter `eqn` takes, the axes splitting the batch dims of its other operands."""
+        params = {flow.param[v] for v in eqn.invars if not isinstance(v, Literal) and v in flow.param}
+        if not params:
+            return
+        axes: set[str] = set()
+        for v in [*eqn.invars, *eqn.outvars]:
+            shape = getattr(v.aval, "shape", ())
+            if not isinstance(v, Literal) and v not in flow.param and any(self.shares.is_batch(n) for n in shape):
+                dims = self.shares.dims(shape, flow.of(v))
+                axes.update(a for n, d in zip(shape, dims) if self.shares.is_batch(n) for a in d)
+                axes.add("")  # marks the param as used with the batch, even over no axes
+        for p in params:
+            if axes:
+                self.used[p].update(axes)
+
+    def _lookup_axes(self, eqn: Any, param: int) -> tuple[str, ...]:
+        """Axes splitting the dims a gather indexes in parameter `param`: each device looks up its own rows."""
+        leaf = jax.tree.leaves(self.plan.abstract_state["params"])[param]
+        spec = spec_entries(leaf.sharding.spec, len(leaf.shape))
+        indexed = eqn.params["dimension_numbers"].start_index_map
+        axes = {a for d in indexed for a in spec[d] if a != "pipeline"}
+        return tuple(a for a in MESH_AXES if a in axes and self.shares.mesh_shape[a] > 1)
+
+    def _stage_io(self) -> float:
+        """Bytes of the carry of the longest loop (the layer stack): what crosses a pipeline stage boundary."""
+        scans = [eqn for eqn, _ in walk(self.loss_jaxpr) if eqn.primitive.name == "scan"]
+        if not scans:
+            return 0.0
+        longest = max(scans, key=lambda e: e.params["length"])
+        # jax 0.12's scan splits its inputs into (consts, carry, xs) with the flat tree `ft_in`.
+        _, carry, _ = longest.params["ft_in"].update(list(longest.invars)).unpack()
+        return sum(self.shares.bytes(v.aval) for v in carry)
+
+
+def _shares(plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int) -> Shares:
+    """How to read per-device shares of the step traced for `shapes` (one microbatch of `accum`) on `plan`'s mesh:
+    the probe rows (a prime above every other dim, times the mesh size) and the sizes of the logical dims each
+    non-batch axis splits."""
+    mesh = plan.mesh
+    batch_axes = tuple(a for a in plan.rules.batch_axes() if mesh.shape[a] > 1)
+    dims = _logical_sizes(plan)
+    batch = next(iter(shapes.values())).shape[0] // accum
+    probe = _prime_above(max([batch, *dims.values(), *(d for s in shapes.values() for d in s.shape)])) * mesh.size
+    table = {**plan.rules.activations, "layers": plan.rules.params.get("layers", ())}
+    split = {
+        axis: frozenset(size for name, size in dims.items() if axis in table.get(name, ()))
+        for axis in mesh.axis_names
+        if mesh.shape[axis] > 1 and axis not in batch_axes
+    }
+    return Shares(probe, batch, batch_axes, split, dict(mesh.shape))
+
+
+def _is_matmul(eqn: Any) -> bool:
+    return bool(eqn.outvars) and eqn.primitive.name in _MATMULS
+
+
+def _flops(eqn: Any, shares: Shares, flow: Flow) -> float:
+    """Per-device FLOPs of a matmul or a convolution: 2 x output elements x the products summed into each."""
+    (lhs, lhs_spec), (rhs, rhs_spec) = [(v.aval, flow.of(v)) for v in eqn.invars[:2]]
+    out = eqn.outvars[0]
+    if eqn.primitive.name == "dot_general":
+        (lhs_c, _), _ = eqn.params["dimension_numbers"]
+        lhs_sizes = shares.sizes(lhs.shape, lhs_spec)
+        summed = math.prod(lhs_sizes[d] for d in lhs_c)
+    else:  # a convolution: each output sums over the window and the input features of its group
+        rhs_dims = eqn.params["dimension_numbers"].rhs_spec  # (out features, in features, *window)
+        rhs_sizes = shares.sizes(rhs.shape, rhs_spec)
+        summed = math.prod(rhs_sizes[d] for d in rhs_dims[1:])
+    return 2 * math.prod(shares.sizes(out.aval.shape, flow.of(out))) * summed
+
+
+def _ways(axes: Sequence[str], mesh_shape: Mapping[str, int]) -> int:
+    return math.prod(mesh_shape[a] for a in axes)
+
+
+def _lookup_sums(axes: tuple[str, ...], b: float, after: Spec | None, mesh_shape: Mapping[str, int]) -> list[Transfer]:
+    """Rows looked up in a table split over `axes` (`b` bytes per device, each device's own rows found, zeros
+    elsewhere) are summed over `axes`: scattered there when the next layout splits the rows over `axes` (and the
+    backward pass gathers their gradients back), else all-reduced."""
+    n = _ways(axes, mesh_shape)
+    if set(axes) <= {a for d in after or () if d for a in d}:
+        return [
+            Transfer(axes, "reduce-scatter", (n - 1) / n * b, "looked-up rows"),
+            Transfer(axes, "all-gather", (n - 1) / n * b, "looked-up rows' gradients"),
+        ]
+    return [Transfer(axes, "all-reduce", SEND_SHARE["all-reduce"](n) * b, "looked-up rows")]
+
+
+def _reshards(aval: Any, before: Spec | None, after: Spec | None, trips: int, shares: Shares) -> list[Transfer]:
+    """What a sharding constraint moves: an all-to-all over the axes that split another dim of its input (tokens
+    sorted by expert moving to their experts), an all-gather over those that split its input but not its output."""
+    if before is None or after is None:
+        return []
+    where_after = {a: i for i, d in enumerate(after) for a in d or ()}
+    moved, dropped = [], []
+    for i, d in enumerate(before):
+        for a in d or ():
+            if a in where_after and where_after[a] != i:
+                moved.append(a)
+            elif a not in where_after:
+                dropped.append(a)
+    b, out = trips * shares.bytes(aval, before), []
+    if moved := tuple(a for a in MESH_AXES if a in moved and shares.mesh_shape[a] > 1):
+        out.append(
+            Transfer(moved, "all-to-all", (1 - 1 / _ways(moved, shares.mesh_shape)) * b, "activations (resharded)")
+        )
+    if dropped := tuple(a for a in MESH_AXES if a in dropped and shares.mesh_shape[a] > 1):
+        out.append(
+            Transfer(dropped, "all-gather", (_ways(dropped, shares.mesh_shape) - 1) * b, "activations (resharded)")
+        )
+    return out
+
+
+def _logical_sizes(plan: Plan) -> dict[str, int]:
+    """Size of each logical dim name, from the params that use it."""
+    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    params = jax.tree.leaves(plan.model.abstract_params)
+    return {n: s for ns, p in zip(names, params) for n, s in zip(ns, p.shape) if n}
+
+
+def _prime_above(n: int) -> int:
+    n += 1
+    while any(n % k == 0 for k in range(2, math.isqrt(n) + 1)):
+        n += 1
+    return n

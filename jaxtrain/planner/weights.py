@@ -1,0 +1,93 @@
+"""How each parameter travels in a planned step: where it is used, what FSDP gathers before use, over which axes
+its gradient is reduced, and the bytes of the weights gathered at once.
+
+Per param, the axes splitting the rows of the activations it meets (the batch axes; all but the replicas for a
+ResNet's convolutions; the lookups' own for a table). Its gradient is reduced over those it is not split over
+(reduce-scatter where FSDP shards it, all-reduce where replicated). A dim split over one of those axes is gathered
+before use (FSDP: once, and again in the backward pass for stacked layers, as XLA re-gathers each layer) unless the
+activation rule of its name splits that axis too: expert weights are used where they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+
+from jaxtrain.analysis.comm_report import SEND_SHARE
+from jaxtrain.analysis.memory import device_bytes
+from jaxtrain.planner.layouts import Spec, spec_entries
+from jaxtrain.planner.transfers import Transfer
+from jaxtrain.sharding.mesh import MESH_AXES
+from jaxtrain.sharding.rules import is_layer_stack, is_logical_names, spec_axes
+from jaxtrain.training.plan import Plan
+
+
+def params_in_use(plan: Plan) -> list[Spec]:
+    """Each param's layout where it is used: split where the activation rule of a dim's name splits that dim too
+    (tensor-parallel dims, experts), whole where its axes are gathered before use (FSDP) or indexed (tables)."""
+    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    out = []
+    for ns, p in zip(names, jax.tree.leaves(plan.abstract_state["params"])):
+        spec = spec_entries(p.sharding.spec, len(p.shape))
+        out.append(tuple(tuple(a for a in d if n and a in plan.rules.activations.get(n, ())) for n, d in zip(ns, spec)))
+    return out
+
+
+def _weight_axes(plan: Plan, used: Mapping[int, set[str]]) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Per param: (axes its weights are gathered over before use, axes its gradient is all-reduced over).
+
+    A param is used over the axes that split the rows of the activations it meets (`used`; the batch axes when it
+    meets none). A dim split over one of those axes is gathered (FSDP), unless the activation rule of its logical
+    name splits over that axis too: then each device uses its own slice where it is (an expert's weights, the
+    experts' tokens travelling to them instead). A table's rows split over axes its lookups are not split over are
+    never gathered either: each device looks up its own rows. The gradient is summed over the axes the param is
+    used over but not split over."""
+    mesh, default = plan.mesh, set(plan.rules.batch_axes())
+    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    out = []
+    for i, (ns, p) in enumerate(zip(names, jax.tree.leaves(plan.abstract_state["params"]))):
+        over = used.get(i, default) - {""}
+        spec = spec_entries(p.sharding.spec, len(p.shape))
+        in_place = {a for n, d in zip(ns, spec) for a in d if n and a in plan.rules.activations.get(n, ())}
+        live = [a for a in MESH_AXES if mesh.shape[a] > 1]
+        gathered = tuple(a for a in live if a in spec_axes(p.sharding.spec) and a in over and a not in in_place)
+        reduced = tuple(a for a in live if a in over and a not in spec_axes(p.sharding.spec))
+        out.append((gathered, reduced))
+    return out
+
+
+def weight_transfers(plan: Plan, accum: int, used: Mapping[int, set[str]]) -> list[Transfer]:
+    """FSDP gathers (every microbatch) and the gradient reduction over the batch axes (once per step); `used`: per
+    param, the axes splitting the rows of the activations it meets (`StepTrace.used`)."""
+    mesh, out = plan.mesh, []
+    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    params = jax.tree.leaves(plan.abstract_state["params"])
+    for ns, p, (gathered, reduced) in zip(names, params, _weight_axes(plan, used)):
+        shard = device_bytes(p)
+        if gathered:
+            n = math.prod(mesh.shape[a] for a in gathered)
+            passes = 2 if is_layer_stack(ns) else 1  # forward, and again in the backward pass
+            out.append(Transfer(gathered, "all-gather", passes * accum * (n - 1) * shard, "weights (FSDP)"))
+            out.append(Transfer(gathered, "reduce-scatter", (n - 1) * shard, "gradients"))
+        if reduced:
+            n = math.prod(mesh.shape[a] for a in reduced)
+            out.append(Transfer(reduced, "all-reduce", SEND_SHARE["all-reduce"](n) * shard, "gradients"))
+    return out
+
+
+def gathered_layer_bytes(plan: Plan, used: Mapping[int, set[str]]) -> float:
+    """Bytes of the weights FSDP gathers at once: one layer of each stacked param, or the other params."""
+    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    params = jax.tree.leaves(plan.abstract_state["params"])
+    stacked = other = 0.0
+    for ns, p, (gathered, _) in zip(names, params, _weight_axes(plan, used)):
+        ways = math.prod(plan.mesh.shape[a] for a in gathered)
+        if ways == 1:
+            continue
+        if is_layer_stack(ns):
+            stacked += device_bytes(p) * ways / p.sharding.shard_shape(p.shape)[0]
+        else:
+            other += device_bytes(p) * ways
+    return max(stacked, other)

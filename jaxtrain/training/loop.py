@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxtrain.analysis.flops import peak_flops
-from jaxtrain.config import RunConfig
+from jaxtrain.config import RunConfig, write_config
 from jaxtrain.training import run_lock
 from jaxtrain.training.checkpoint import Checkpoints
 from jaxtrain.training.distributed import to_host
@@ -76,6 +76,8 @@ def train(
         if lead:
             check_outputs(cfg.train.metrics_file, cfg.train.tensorboard_dir, run_name)
         run = setup(cfg, log, devices)
+        if lead:  # once the config has built: <checkpoint_dir>/config.toml, which `--config` reruns
+            write_config(cfg)
         with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
             state, progress = initial_state(run, checkpoints, log)
             peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))

@@ -1,7 +1,9 @@
 """The `jaxtrain` command (and `python scripts/train.py`, which runs the same code).
 
 jaxtrain train --simulated-devices 8 --mesh data=2,fsdp=2,tensor=2 --model gpt-tiny --steps 100 n_layers=4
-jaxtrain train --help-config           # every key=value override with its current value
+jaxtrain train --model gpt-tiny --help-config > run.toml   # every key: type, choices or bounds, help, value
+jaxtrain train --config run.toml steps=50   # a TOML run config, then flags, then key=value (later wins)
+jaxtrain train --config runs/x/ckpt/config.toml --checkpoint-dir runs/y   # rerun a run: it wrote its config.toml
 jaxtrain comm --simulated-devices 8 --mesh data=2,tensor=4 --model gpt-tiny   # bytes sent per step, no training
 jaxtrain plan --model gpt-1b --mesh tpu-v5p-512 --chip v5p --batch-size 512 --seq-len 2048   # memory, comm, time
 jaxtrain meshes                        # the shipped mesh layouts
@@ -264,7 +266,7 @@ def enable_compilation_cache() -> None:
 def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argparse.Namespace:
     """Parse train's flags from `argv` and set JAX up for them (simulated devices, compilation cache), before
     anything imports code that could start a backend."""
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value before, between or after the flags
     if args.simulated_devices is not None:
         use_simulated_devices(args.simulated_devices)
     enable_compilation_cache()

@@ -76,10 +76,10 @@ def train(
         if lead:
             check_outputs(cfg.train.metrics_file, cfg.train.tensorboard_dir, run_name)
         run = setup(cfg, log, devices)
-        if lead:  # once the config has built: <checkpoint_dir>/config.toml, which `--config` reruns
-            write_config(cfg)
         with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
             state, progress = initial_state(run, checkpoints, log)
+            if lead:  # the run starts (a refused one writes nothing): <checkpoint_dir>/config.toml, for `--config`
+                write_config(cfg)
             peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
             log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
             sink = _metrics_sink(cfg, lead, on_metrics, progress)

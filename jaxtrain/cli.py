@@ -1,7 +1,9 @@
 """The `jaxtrain` command (and `python scripts/train.py`, which runs the same code).
 
 jaxtrain train --simulated-devices 8 --mesh data=2,fsdp=2,tensor=2 --model gpt-tiny --steps 100 n_layers=4
-jaxtrain train --help-config           # every key=value override with its current value
+jaxtrain train --model gpt-tiny --help-config > run.toml   # every key: type, choices or bounds, help, value
+jaxtrain train --config run.toml steps=50   # a TOML run config, then flags, then key=value (later wins)
+jaxtrain train --config runs/x/ckpt/config.toml --checkpoint-dir runs/y   # rerun a run: it wrote its config.toml
 jaxtrain comm --simulated-devices 8 --mesh data=2,tensor=4 --model gpt-tiny   # bytes sent per step, no training
 jaxtrain plan --model gpt-1b --mesh tpu-v5p-512 --chip v5p --batch-size 512 --seq-len 2048   # memory, comm, time
 jaxtrain meshes                        # the shipped mesh layouts
@@ -29,28 +31,6 @@ from jaxtrain.settings import Accepts
 
 if TYPE_CHECKING:  # jaxtrain modules are imported lazily here: JAX must see --simulated-devices before it starts
     from jaxtrain.config import RunConfig
-
-# Flag -> config key; anything else is given as key=value.
-FLAG_KEYS = {
-    "steps": "train.steps",
-    "batch_size": "data.batch_size",
-    "seq_len": "data.seq_len",
-    "data": "data.source",
-    "seed": "train.seed",
-    "metrics_file": "train.metrics_file",
-    "tensorboard_dir": "train.tensorboard_dir",
-    "log_every": "train.log_every",
-    "eval_every": "train.eval_every",
-    "grad_accum": "train.grad_accum",
-    "schedule": "train.schedule",
-    "microbatches": "train.microbatches",
-    "virtual_stages": "train.virtual_stages",
-    "checkpoint_dir": "train.checkpoint_dir",
-    "checkpoint_every": "train.checkpoint_every",
-    "restore": "train.restore",
-    "allow_config_change": "train.allow_config_change",
-}
-
 
 BAD_INPUT_EXIT = 2  # as argparse's own
 UNEXPECTED_ERROR_EXIT = 1  # an error jaxtrain did not foresee: a bug, or bad input it does not check yet
@@ -110,87 +90,140 @@ def _debug_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
 
 
+# The flags that set a config key (any other key is given as key=value): flag, its key, argparse's options.
+CONFIG_FLAGS = (
+    ("--steps", "train.steps", {"type": int}),
+    ("--batch-size", "data.batch_size", {"type": int, "help": "global batch size, across all devices"}),
+    ("--seq-len", "data.seq_len", {"type": int}),
+    ("--data", "data.source", {"help": "builtin | synthetic | digits | clicks | path/to/text.txt"}),
+    ("--seed", "train.seed", {"type": int}),
+    ("--metrics-file", "train.metrics_file", {"help": "append one JSON object per logged step to this file"}),
+    (
+        "--tensorboard-dir",
+        "train.tensorboard_dir",
+        {"help": "also write the logged metrics as TensorBoard scalars here (needs tensorboardX)"},
+    ),
+    ("--log-every", "train.log_every", {"type": int}),
+    ("--eval-every", "train.eval_every", {"type": int}),
+    (
+        "--grad-accum",
+        "train.grad_accum",
+        {"type": int, "help": "gradient accumulation: sequential pieces per optimizer step"},
+    ),
+    (
+        "--schedule",
+        "train.schedule",
+        {"help": "pipeline schedule when the mesh has a pipeline axis: gpipe | 1f1b (default) | interleaved"},
+    ),
+    (
+        "--microbatches",
+        "train.microbatches",
+        {"type": int, "help": "pipeline microbatches per step (default: one per stage)"},
+    ),
+    (
+        "--virtual-stages",
+        "train.virtual_stages",
+        {"type": int, "help": "interleaved schedule: layer chunks per device (V)"},
+    ),
+    (
+        "--checkpoint-dir",
+        "train.checkpoint_dir",
+        {"help": "save checkpoints and the run's config.toml here; rerunning the same command resumes from the newest"},
+    ),
+    (
+        "--checkpoint-every",
+        "train.checkpoint_every",
+        {"type": int, "help": "steps between checkpoints (and one at the end)"},
+    ),
+    (
+        "--restore",
+        "train.restore",
+        {"help": "start from this checkpoint step directory, or fine-tune from a params export, on any mesh"},
+    ),
+    (
+        "--allow-config-change",
+        "train.allow_config_change",
+        {
+            "metavar": "KEY,KEY",
+            "help": "resume in --checkpoint-dir although these config keys differ from the checkpoint's (recorded)",
+        },
+    ),
+)
+# Flag (as argparse names its value) -> config key.
+FLAG_KEYS = {flag.removeprefix("--").replace("-", "_"): key for flag, key, _ in CONFIG_FLAGS}
+# How the processes of a job find each other (jaxtrain.training.distributed): flag, argparse's options.
+PROCESS_FLAGS = (
+    ("--coordinator", {"help": "host:port of process 0, which every process of the job contacts"}),
+    ("--num-processes", {"type": flag_type(at_least=1), "help": "processes in the job"}),
+    ("--process-id", {"type": flag_type(at_least=0), "help": "this process's id, 0 .. num-processes - 1"}),
+    (
+        "--coordinator-bind",
+        {
+            "metavar": "HOST:PORT",
+            "help": "where process 0 listens (default: the coordinator address, given or detected: its host only)",
+        },
+    ),
+    (
+        "--init-timeout",
+        {"type": flag_type(at_least=1), "help": "seconds to wait for every process to join (default 300)"},
+    ),
+    (
+        "--heartbeat-timeout",
+        {"type": flag_type(at_least=1), "help": "seconds of silence after which a process is declared dead (100)"},
+    ),
+    (
+        "--auto-cluster",
+        {
+            "action": "store_true",
+            "help": "let JAX detect the job (TPU pod, SLURM, Open MPI, Kubernetes); process 0 listens on the "
+            "coordinator it detects, that host's address only",
+        },
+    ),
+    # JAX's mutual TLS between the processes of the job.
+    *(
+        (f"--mtls-{part}", {"metavar": "FILE", "help": f"mutual TLS between processes: the {part} file"})
+        for part in ("cert", "key", "ca")
+    ),
+)
+
+
 def _train_parser(
     prog: str = "jaxtrain train", does: str = "Train a model on a device mesh."
 ) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description=f"{does} Extra key=value arguments override any config field "
-        "(n_layers=4, optimizer.learning_rate=1e-3, rules.embed=fsdp, ...).",
+        description=f"{does} Settings come from the model's preset, then a --config file, then the flags, then extra "
+        "key=value arguments, which override any config field (n_layers=4, optimizer.learning_rate=1e-3, "
+        "rules.embed=fsdp, ...).",
     )
     parser.add_argument(
         "--model",
-        default="gpt",
-        help="model[-preset]: gpt, gpt-tiny, gpt-small, gpt-1b, mlp, resnet, resnet-cifar, recsys, moe, ...",
+        help="model[-preset]: gpt, gpt-tiny, gpt-small, gpt-1b, mlp, resnet, resnet-cifar, recsys, moe, ... (default: "
+        "the --config file's model_name, else gpt)",
     )
     parser.add_argument(
-        "--mesh", default=None, help="a layout name in meshes/, a .toml path, or inline data=2,tensor=4"
+        "--config",
+        metavar="FILE",
+        help="a TOML run config (e.g. a run's CHECKPOINT_DIR/config.toml, or --help-config's output, edited)",
     )
+    parser.add_argument("--mesh", help="a layout name in meshes/, a .toml path, or inline data=2,tensor=4")
     parser.add_argument(
         "--simulated-devices",
         type=flag_type(at_least=1),
-        default=None,
         help="run on N simulated CPU devices (sets up the CPU backend before JAX starts)",
     )
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--batch-size", type=int, help="global batch size, across all devices")
-    parser.add_argument("--seq-len", type=int)
-    parser.add_argument("--data", help="builtin | synthetic | digits | clicks | path/to/text.txt")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--metrics-file", help="append one JSON object per logged step to this file")
-    parser.add_argument(
-        "--tensorboard-dir", help="also write the logged metrics as TensorBoard scalars here (needs tensorboardX)"
-    )
-    parser.add_argument("--log-every", type=int)
-    parser.add_argument("--eval-every", type=int)
-    parser.add_argument("--grad-accum", type=int, help="gradient accumulation: sequential pieces per optimizer step")
-    parser.add_argument(
-        "--schedule", help="pipeline schedule when the mesh has a pipeline axis: gpipe | 1f1b (default) | interleaved"
-    )
-    parser.add_argument("--microbatches", type=int, help="pipeline microbatches per step (default: one per stage)")
-    parser.add_argument("--virtual-stages", type=int, help="interleaved schedule: layer chunks per device (V)")
-    parser.add_argument(
-        "--checkpoint-dir", help="save checkpoints here; rerunning the same command resumes from the newest"
-    )
-    parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (and one at the end)")
-    parser.add_argument(
-        "--restore", help="start from this checkpoint step directory, or fine-tune from a params export, on any mesh"
-    )
-    parser.add_argument(
-        "--allow-config-change",
-        metavar="KEY,KEY",
-        help="resume in --checkpoint-dir although these config keys differ from the checkpoint's (recorded)",
-    )
+    for flag, _, options in CONFIG_FLAGS:
+        parser.add_argument(flag, **options)
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     parser.add_argument(
         "--verbose", action="store_true", help="full preflight: parameter table, device grid, collectives per axis"
     )
     procs = parser.add_argument_group("several processes (default: one; also JAXTRAIN_COORDINATOR etc.)")
-    procs.add_argument("--coordinator", help="host:port of process 0, which every process of the job contacts")
-    procs.add_argument("--num-processes", type=flag_type(at_least=1), help="processes in the job")
-    procs.add_argument("--process-id", type=flag_type(at_least=0), help="this process's id, 0 .. num-processes - 1")
-    procs.add_argument(
-        "--coordinator-bind",
-        metavar="HOST:PORT",
-        help="where process 0 listens (default: the coordinator address, given or detected: its host only)",
+    for flag, options in PROCESS_FLAGS:
+        procs.add_argument(flag, **options)
+    parser.add_argument(
+        "--help-config", action="store_true", help="list every config key (type, choices, help, value) and exit"
     )
-    procs.add_argument(
-        "--init-timeout", type=flag_type(at_least=1), help="seconds to wait for every process to join (default 300)"
-    )
-    procs.add_argument(
-        "--heartbeat-timeout",
-        type=flag_type(at_least=1),
-        help="seconds of silence after which a process is declared dead (100)",
-    )
-    procs.add_argument(
-        "--auto-cluster",
-        action="store_true",
-        help="let JAX detect the job (TPU pod, SLURM, Open MPI, Kubernetes); process 0 listens on the coordinator "
-        "it detects, that host's address only",
-    )
-    for part in ("cert", "key", "ca"):  # JAX's mutual TLS between the processes of the job
-        procs.add_argument(f"--mtls-{part}", metavar="FILE", help=f"mutual TLS between processes: the {part} file")
-    parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     _debug_flag(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser
@@ -199,7 +232,7 @@ def _train_parser(
 def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argparse.Namespace:
     """Parse train's flags from `argv` and set JAX up for them (simulated devices, compilation cache), before
     anything imports code that could start a backend."""
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value before, between or after the flags
     if args.simulated_devices is not None:
         use_simulated_devices(args.simulated_devices)
     enable_compilation_cache()
@@ -222,18 +255,14 @@ def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argpars
 
 
 def _run_config(args: argparse.Namespace) -> RunConfig | None:
-    """The run config that train's flags and key=value overrides describe; None after printing every config key
-    (--help-config). Raises UserInputError for a bad override."""
-    from jaxtrain.config import apply_overrides, default_config, describe_config
+    """The run config that train's --config file, flags and key=value overrides describe; None after printing
+    every config key (--help-config). Raises UserInputError for a bad key or value."""
+    from jaxtrain.config import describe_config, load_config
 
-    overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
-    if args.mesh:
-        overrides.append(f"mesh={args.mesh}")
-    if args.no_progress:
-        overrides.append("train.progress=false")
-    if args.verbose:
-        overrides.append("train.verbose=true")
-    cfg = apply_overrides(default_config(args.model), [*overrides, *args.overrides])
+    flags = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
+    flags += [f"mesh={args.mesh}"] * bool(args.mesh)
+    flags += ["train.progress=false"] * args.no_progress + ["train.verbose=true"] * args.verbose
+    cfg = load_config(args.config, args.model, [*flags, *args.overrides])
     if args.help_config:
         print(describe_config(cfg))
         return None

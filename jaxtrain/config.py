@@ -1,24 +1,53 @@
-"""Run configuration: frozen dataclasses, named presets, and `key=value` overrides with helpful errors.
+"""Run configuration: frozen dataclasses, named presets, TOML run config files and `key=value` overrides.
 
 >>> cfg = apply_overrides(default_config("gpt-tiny"), ["n_layers=3", "optimizer.learning_rate=0.01"])
 >>> cfg.model.n_layers, cfg.optimizer.learning_rate
 (3, 0.01)
+
+A run config file is TOML in the shape of the config (`describe_config` prints every key; every run with a checkpoint
+directory writes its own there as `config.toml`, which `load_config` reads back to the same run):
+
+    model_name = "gpt-tiny"        # the model and preset: they set every default
+    mesh = "data=2,tensor=2"
+    [model]
+    n_layers = 3
+    [optimizer]
+    learning_rate = 0.01
+    [train]
+    steps = 100
+    [rules]                        # logical name -> mesh axes; a [rules.params] or [rules.activations] table sets one
+    embed = "fsdp"
+
+A top-level key may also name a field as an override does (`steps = 100`). Precedence, lowest first: the preset's
+defaults (`model_name`, or `--model`, which wins over the file's), the file, the command line's flags, its
+`key=value` overrides; within each a later value of a key wins, and a section's changes from all of them are checked
+together. Every value is checked against its field's declaration (type, choices, bounds) as it is read, with the
+key, the value, what was expected and the file's path; an unknown key names the closest ones.
+
+Why TOML and not YAML: `tomllib` is in the standard library and its values are typed as written, whereas YAML 1.1
+(PyYAML) reads `learning_rate: 1e-3` as a string and `progress: no` as false, which a config must not guess at.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Sequence
+import os
+import tomllib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
+
+import tomli_w
 
 from jaxtrain.data.datasets import PARTITIONS
 from jaxtrain.errors import ConfigError, UserInputError
+from jaxtrain.files import read_bytes, utf8_text
 from jaxtrain.parallel.grad_sync import ALGORITHMS, COMPRESSIONS
 from jaxtrain.parallel.schedules import SCHEDULES
 from jaxtrain.parallel.updates import POLICIES
 from jaxtrain.registry import resolve_model
-from jaxtrain.settings import Settings, accepts_of, problem, scalar_types, setting
+from jaxtrain.settings import Settings, accepts_of, describe_field, problem, scalar_types, setting
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -145,6 +174,51 @@ def default_config(model: str = "gpt") -> RunConfig:
     return RunConfig(model_name=f"{spec.name}-{preset}", model=spec.presets[preset](), data=data)
 
 
+CONFIG_FILE = "config.toml"  # the name of the resolved config a run writes into its checkpoint directory
+MESH_HELP = "a layout name in meshes/, a .toml layout path, or inline axis sizes such as data=2,tensor=4"
+RULE_TABLES = ("params", "activations")  # rules.NAME sets both tables; rules.params.NAME one of them
+
+# (key, value) pairs: "section.field", "mesh" or "rules.NAME", each value of its field's type.
+Changes = list[tuple[str, Any]]
+
+
+def load_config(path: str | Path | None = None, model: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The run config of `model`'s preset (else the file's `model_name`, else gpt), then the TOML file at `path`,
+    then `overrides` (`key=value` strings). Raises `ConfigError` for any unknown key or bad value, before anything
+    is built.
+
+    >>> cfg = load_config("runs/x/ckpt/config.toml", overrides=["train.checkpoint_dir=runs/y"])   # doctest: +SKIP
+    """
+    table = read_config_file(path) if path is not None else {}
+    cfg = default_config(model) if model else _file_preset(table, path)
+    from_file = _checked(cfg, list(_file_changes(cfg, table, path)), f"config file '{path}'") if path else []
+    return _apply(cfg, [*from_file, *override_changes(cfg, overrides)])
+
+
+def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
+    """Apply `key=value` strings. Keys: a field name if unique (`n_layers`), or `section.field`; `rules.NAME=axes`.
+
+    All overrides of a section are applied together and then checked, so `n_heads=6 d_model=48` holds although
+    the preset's d_model is not divisible by 6; a later override of the same key wins."""
+    return _apply(cfg, override_changes(cfg, overrides))
+
+
+def override_changes(cfg: RunConfig, overrides: Sequence[str]) -> Changes:
+    """`key=value` strings as checked changes of `cfg`; a `ConfigError` names every bad value."""
+    changes = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override '{item}' is not key=value.")
+        key = key.strip()
+        if key == "mesh" or key.startswith("rules."):
+            changes.append((key, text))
+            continue
+        section, name = resolve_key(cfg, key)
+        changes.append((f"{section}.{name}", _parse_text(text, getattr(cfg, section), name, f"{section}.{name}")))
+    return _checked(cfg, changes)
+
+
 def _all_keys(cfg: RunConfig) -> list[str]:
     return [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(cfg, s))]
 
@@ -161,16 +235,24 @@ def resolve_key(cfg: RunConfig, key: str) -> tuple[str, str]:
         return section, name
     if len(owners) > 1:
         raise ConfigError(f"override '{key}' is ambiguous: say which of {', '.join(owners)}.")
-    candidates = full_keys + [k.split(".", 1)[1] for k in full_keys]
-    close = difflib.get_close_matches(key, candidates, n=4, cutoff=0.6)
+    close = close_keys(cfg, key)
     hint = f" Did you mean: {', '.join(close)}?" if close else " Run with --help-config to list every key."
     raise ConfigError(f"unknown config key '{key}'.{hint}")
 
 
-def _parse_value(text: str, part: Any, name: str, key: str) -> Any:
+def close_keys(cfg: RunConfig, key: str) -> list[str]:
+    """The keys of `cfg` closest to unknown `key`, best first: the same field in another section (`train.dtype` ->
+    `model.dtype`), then similar spellings."""
+    full_keys = _all_keys(cfg)
+    moved = [k for k in full_keys if "." in key and k.split(".", 1)[1] == key.split(".", 1)[1]]
+    candidates = full_keys + [k.split(".", 1)[1] for k in full_keys]
+    return [*moved, *(k for k in difflib.get_close_matches(key, candidates, n=4, cutoff=0.6) if k not in moved)][:4]
+
+
+def _parse_text(text: str, part: Any, name: str, key: str) -> Any:
     """`text` as the declared type of field `name` of config `part` (`key` when named in an error); fields of
     other types (tuples) take the text and parse it themselves."""
-    kind = scalar_types(type(part)).get(name)
+    kind = _kind(part, name)
     try:
         if kind is bool:
             return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[text.lower()]
@@ -181,26 +263,40 @@ def _parse_value(text: str, part: Any, name: str, key: str) -> Any:
     return text
 
 
-def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
-    """Apply `key=value` strings. Keys: a field name if unique (`n_layers`), or `section.field`; `rules.NAME=axes`.
+def _checked(cfg: RunConfig, changes: Changes, source: str = "") -> Changes:
+    """`changes` if every value is of its field's type and within its declaration; else a `ConfigError` naming
+    each bad one (and `source`, where they come from)."""
+    problems = [found for key, value in changes if (found := _problem(cfg, key, value))]
+    if problems:
+        raise ConfigError(f"{source + ': ' if source else ''}{'; '.join(problems)}.")
+    return changes
 
-    All overrides of a section are applied together and then checked, so `n_heads=6 d_model=48` holds although
-    the preset's d_model is not divisible by 6; a later override of the same key wins."""
-    changes: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+
+def _problem(cfg: RunConfig, key: str, value: Any) -> str | None:
+    """What is wrong with `value` for `key`, or None."""
+    if key.startswith("rules."):  # text: an override's, or a file's axes as `_rule_changes` joined them
+        return None
+    if key == "mesh":
+        return None if isinstance(value, str) else f"mesh={value!r}: expected a string ({MESH_HELP})"
+    section, name = key.split(".", 1)
+    part = getattr(cfg, section)
+    kind, accepts = _kind(part, name), accepts_of(part.__dataclass_fields__[name])
+    return None if kind is None or accepts.accepts(value, kind) else problem(key, repr(value), accepts, kind)
+
+
+def _apply(cfg: RunConfig, changes: Changes) -> RunConfig:
+    """`cfg` with `changes` (a later change of a key wins), each section's checked together."""
+    sections: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     top: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override '{item}' is not key=value.")
-        key = key.strip()
-        if key.startswith("rules."):
-            top["rules"] = {**top.get("rules", cfg.rules), key.removeprefix("rules."): value}
-        elif key == "mesh":
+    for key, value in changes:
+        if key == "mesh":
             top["mesh"] = value
+        elif key.startswith("rules."):
+            top["rules"] = {**top.get("rules", cfg.rules), key.removeprefix("rules."): value}
         else:
-            section, name = resolve_key(cfg, key)
-            changes[section][name] = _parse_value(value, getattr(cfg, section), name, f"{section}.{name}")
-    parts = {section: _replace(getattr(cfg, section), given) for section, given in changes.items() if given}
+            section, name = key.split(".", 1)
+            sections[section][name] = value
+    parts = {section: _replace(getattr(cfg, section), given) for section, given in sections.items() if given}
     return dataclasses.replace(cfg, **top, **parts)
 
 
@@ -215,11 +311,184 @@ def _replace(part: Any, changes: dict[str, Any]) -> Any:
         raise ConfigError(f"overrides {given}: {err}") from None
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The TOML table of run config file `path`; a missing, unreadable or malformed file is a `ConfigError` naming
+    it (TOML's message gives the line and column)."""
+    path = Path(path)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        raise ConfigError(
+            f"config file '{path}': run configs are TOML, not YAML (YAML 1.1 reads 1e-3 as a string and no as false). "
+            "`jaxtrain train --model NAME --help-config > run.toml` writes every key to start from."
+        )
+    text = utf8_text(read_bytes(path, "config file", ConfigError), path, "config file", ConfigError)
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {err}.") from None
+
+
+def _file_preset(table: dict[str, Any], path: str | Path | None) -> RunConfig:
+    """The preset the file's `model_name` names (gpt without one)."""
+    name = table.get("model_name", "gpt")
+    if not isinstance(name, str):
+        raise ConfigError(f"config file '{path}': model_name={name!r}: expected a model name such as \"gpt-tiny\".")
+    try:
+        return default_config(name)
+    except UserInputError as err:
+        raise ConfigError(f"config file '{path}': model_name={name!r}: {err}") from None
+
+
+def _file_changes(cfg: RunConfig, table: dict[str, Any], path: str | Path) -> Iterator[tuple[str, Any]]:
+    """The changes the TOML `table` of file `path` makes to `cfg`, by key; `model_name` has chosen `cfg` already.
+    Unknown keys are a `ConfigError` naming the file and the closest keys."""
+    for key, value in table.items():
+        if key in SECTIONS or key == "rules":
+            if not isinstance(value, dict):
+                raise ConfigError(f"config file '{path}': {key}={value!r}: expected a table ([{key}]) of keys.")
+            yield from _rule_changes(value, path) if key == "rules" else _section_changes(cfg, key, value, path)
+        elif isinstance(value, dict):
+            close = difflib.get_close_matches(key, [*SECTIONS, "rules"], n=2)
+            hint = f" Did you mean [{close[0]}]?" if close else f" Tables: {', '.join(SECTIONS)}, rules."
+            raise ConfigError(f"config file '{path}': unknown table [{key}].{hint}")
+        elif key != "model_name":
+            yield _file_key(cfg, key, value, path), value
+
+
+def _section_changes(
+    cfg: RunConfig, section: str, table: dict[str, Any], path: str | Path
+) -> Iterator[tuple[str, Any]]:
+    part = getattr(cfg, section)
+    for name, value in table.items():
+        key = _file_key(cfg, f"{section}.{name}", value, path)
+        yield key, float(value) if _kind(part, name) is float and type(value) is int else value
+
+
+def _file_key(cfg: RunConfig, key: str, value: Any, path: str | Path) -> str:
+    """The full key of `key` as a file names it (a dotted key, or a short name as overrides take it)."""
+    if key == "mesh":
+        return key
+    try:
+        return ".".join(resolve_key(cfg, key))
+    except ConfigError as err:
+        close = close_keys(cfg, key)
+        best = ".".join(resolve_key(cfg, close[0])) if close else ""
+        takes = f" ({best} takes {describe_field(*_field(cfg, best))})" if best else ""
+        raise ConfigError(f"config file '{path}': {key} = {value!r}: {str(err).rstrip('.?')}?{takes}") from None
+
+
+def _field(cfg: RunConfig, key: str) -> tuple[type, dataclasses.Field]:
+    section, name = key.split(".", 1)
+    part = getattr(cfg, section)
+    return type(part), part.__dataclass_fields__[name]
+
+
+def _kind(part: Any, name: str) -> type | None:
+    return scalar_types(type(part)).get(name)
+
+
+def _rule_changes(table: dict[str, Any], path: str | Path, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """`[rules]` entries as `rules.NAME` changes: a value is mesh axes, as a comma-separated string or a list;
+    `[rules.params]` and `[rules.activations]` tables set one table's rules."""
+    for name, value in table.items():
+        if isinstance(value, dict) and not prefix and name in RULE_TABLES:
+            yield from _rule_changes(value, path, f"{name}.")
+        elif isinstance(value, list) and all(isinstance(axis, str) for axis in value):
+            yield f"rules.{prefix}{name}", ",".join(value)
+        elif isinstance(value, str):
+            yield f"rules.{prefix}{name}", value
+        else:
+            tables = "" if prefix else "; or a [rules.params] or [rules.activations] table"
+            raise ConfigError(
+                f"config file '{path}': rules.{prefix}{name}={value!r}: expected mesh axes, \"fsdp,tensor\" or "
+                f'["fsdp", "tensor"] ("" replicates){tables}.'
+            )
+
+
+class ConfigWriteError(UserInputError):
+    """The resolved run config could not be written beside the checkpoints."""
+
+
+def config_table(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg` as the TOML table a run config file holds (what `load_config` reads back to `cfg`)."""
+    table: dict[str, Any] = {"model_name": cfg.model_name, "mesh": cfg.mesh}
+    for section in SECTIONS:
+        part = getattr(cfg, section)
+        table[section] = {
+            f.name: _toml_value(getattr(part, f.name), f"{section}.{f.name}") for f in dataclasses.fields(part)
+        }
+    if cfg.rules:
+        table["rules"] = dict(cfg.rules)
+    return table
+
+
+def _toml_value(value: Any, key: str) -> Any:
+    if isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (str, int, float, bool)) for v in value):
+        return list(value)
+    raise ConfigError(
+        f"{key}={value!r} has no form in a TOML run config (strings, numbers, booleans and lists of them have): "
+        "give the field a default of one of those types."
+    )
+
+
+def write_config(cfg: RunConfig) -> Path | None:
+    """Write `cfg` as `config.toml` into its checkpoint directory, atomically (a reader sees the old file or the new
+    one, never part of one), so that `jaxtrain train --config <it>` reruns the run. None without a directory."""
+    if not cfg.train.checkpoint_dir:
+        return None
+    path = Path(cfg.train.checkpoint_dir) / CONFIG_FILE
+    header = (
+        f"# The resolved config of the run in {path.parent}, as its latest start wrote it.\n"
+        f"# Rerun it: jaxtrain train --config {path} [--checkpoint-dir ANOTHER] [key=value ...]\n"
+    )
+    temporary = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(header + tomli_w.dumps(config_table(cfg)), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as err:
+        temporary.unlink(missing_ok=True)
+        raise ConfigWriteError(f"cannot write the run config {path}: {err.strerror or err}.") from None
+    return path
+
+
 def describe_config(cfg: RunConfig) -> str:
-    """Every key with its current value, one per line (what --help-config prints)."""
-    lines = [f"model: {cfg.model_name}", f"mesh = {cfg.mesh}"]
-    for key in _all_keys(cfg):
-        section, name = key.split(".", 1)
-        lines.append(f"{key} = {getattr(getattr(cfg, section), name)!r}")
-    lines += [f"rules.{k} = {v!r}" for k, v in cfg.rules.items()]
+    """Every key with its value, type, what it accepts, a line of help and the preset's default where the value
+    differs (what --help-config prints). It is TOML: saved to a file, it is a run config of `cfg`."""
+    defaults = default_config(cfg.model_name)
+    lines = [
+        f"# Every config key of {cfg.model_name}, with its type, what it accepts and its value (marked where it is",
+        "# not the preset's default). Give them in a TOML file (--config run.toml, in this shape or with [section]",
+        "# tables) or as key=value (train.steps=10, or steps=10 where the name is unique); lowest first: the preset,",
+        "# the file, the flags, key=value.",
+        *_described("model_name", cfg.model_name, "str: the model and preset (--model); it sets every default", None),
+        *_described("mesh", cfg.mesh, f"str: {MESH_HELP}", defaults.mesh),
+    ]
+    for section in SECTIONS:
+        part, preset = getattr(cfg, section), getattr(defaults, section)
+        lines.append(f"\n# [{section}] {type(part).__name__}")
+        for field in dataclasses.fields(part):
+            what = describe_field(type(part), field)
+            lines += _described(f"{section}.{field.name}", getattr(part, field.name), what, getattr(preset, field.name))
+    lines.append(
+        '\n# [rules] logical name -> mesh axes ("" replicates); rules.params.NAME or rules.activations.NAME set one'
+    )
+    lines += [f"rules.{_toml_key(name)} = {_toml_text(axes)}" for name, axes in cfg.rules.items()]
     return "\n".join(lines)
+
+
+def _described(key: str, value: Any, what: str, default: Any) -> list[str]:
+    changed = default is not None and value != default
+    mark = f"  # default {_toml_text(_toml_value(default, key))}" if changed else ""
+    return [f"# {what}", f"{key} = {_toml_text(_toml_value(value, key))}{mark}"]
+
+
+def _toml_text(value: Any) -> str:
+    """`value` as TOML writes it."""
+    return tomli_w.dumps({"v": value}).removeprefix("v = ").rstrip("\n")
+
+
+def _toml_key(name: str) -> str:
+    """A rule name as a TOML dotted key: bare parts, or one quoted key where a part is not bare."""
+    bare = all(part and part.replace("_", "").replace("-", "").isalnum() for part in name.split("."))
+    return name if bare else _toml_text(name)

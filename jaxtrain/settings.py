@@ -48,6 +48,14 @@ class Accepts:
         noun = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}[kind]
         return " ".join([noun, " and ".join(f"{symbol} {bound:g}" for symbol, _, bound in self._bounds())]).strip()
 
+    def summary(self, kind: type) -> str:
+        """What a valid value is, tersely, for a listing: "int >= 1", "float >= 0, < 1", "str: one of a, b"."""
+        if self.choices:
+            return f"{kind.__name__}: one of {', '.join(self.choices)}"
+        return " ".join(
+            [kind.__name__, ", ".join(f"{symbol} {bound:g}" for symbol, _, bound in self._bounds())]
+        ).strip()
+
     def accepts(self, value: Any, kind: type) -> bool:
         if kind is bool or isinstance(value, bool):  # a bool is an int to Python, never a size to us
             return kind is bool and isinstance(value, bool)
@@ -84,14 +92,28 @@ def problem(key: str, shown: str, accepts: Accepts, kind: type) -> str:
     return f"{key}={shown}{wrong}" + (f" ({accepts.help})" if accepts.help else "")
 
 
+def describe_field(cls: type, field: dataclasses.Field) -> str:
+    """A line on field `field` of dataclass `cls`: its type, what it accepts, its help ("int >= 1 · transformer
+    blocks"); a field of another type than int, float, bool or str shows its annotation."""
+    accepts = accepts_of(field)
+    kind = scalar_types(cls).get(field.name)
+    what = accepts.summary(kind) if kind else str(_type_hints(cls).get(field.name, type(field.default).__name__))
+    return f"{what} · {accepts.help}" if accepts.help else what
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except (NameError, TypeError):  # annotations that do not resolve here
+        return {}
+
+
 @functools.cache
 def scalar_types(cls: type) -> dict[str, type]:
     """The fields of dataclass `cls` whose declared type is int, float, bool or str, with that type."""
     fields = dataclasses.fields(cls)
-    try:
-        hints = typing.get_type_hints(cls)
-    except (NameError, TypeError):  # annotations that do not resolve here: go by the defaults' types
-        hints = {f.name: type(f.default) for f in fields if f.default is not dataclasses.MISSING}
+    # Annotations that do not resolve here: go by the defaults' types.
+    hints = _type_hints(cls) or {f.name: type(f.default) for f in fields if f.default is not dataclasses.MISSING}
     return {f.name: hints[f.name] for f in fields if hints.get(f.name) in (int, float, bool, str)}
 
 

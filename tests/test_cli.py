@@ -81,5 +81,5 @@ def test_bad_input_is_a_clear_error(args, message):
 def test_pipeline_flags_reach_the_config():
     result = run_train("--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "8", "--help-config")
     assert result.returncode == 0, result.stderr
-    for line in ("train.schedule = 'interleaved'", "train.virtual_stages = 2", "train.microbatches = 8"):
+    for line in ('train.schedule = "interleaved"', "train.virtual_stages = 2", "train.microbatches = 8"):
         assert line in result.stdout

@@ -14,7 +14,7 @@ from jaxtrain.config import (
     describe_config,
 )
 from jaxtrain.registry import available_models
-from jaxtrain.settings import accepts_of
+from jaxtrain.settings import accepts_of, describe_field
 from models.gpt import GPTConfig
 
 
@@ -98,3 +98,15 @@ def test_presets_and_unknown_preset():
 def test_describe_lists_every_key():
     text = describe_config(default_config("gpt"))
     assert "model.n_layers = 4" in text and "optimizer.learning_rate" in text
+
+
+def test_a_field_is_described_by_its_type_what_it_accepts_and_its_help():
+    fields = {f.name: f for f in dataclasses.fields(OptimizerConfig)}
+    assert describe_field(OptimizerConfig, fields["beta1"]) == "float >= 0, < 1 · AdamW's first-moment decay"
+    assert describe_field(OptimizerConfig, fields["name"]).startswith("str: one of adamw, sgd · ")
+    assert describe_field(TrainConfig, {f.name: f for f in dataclasses.fields(TrainConfig)}["progress"]).startswith(
+        "bool · "
+    )
+    resnet = type(default_config("resnet").model)
+    stage_sizes = {f.name: f for f in dataclasses.fields(resnet)}["stage_sizes"]
+    assert describe_field(resnet, stage_sizes) == "tuple[int, ...]"  # no `setting`: its annotation

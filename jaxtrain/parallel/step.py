@@ -23,11 +23,6 @@ LossFn = Callable[[PyTree, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax
 GradFn = Callable[[PyTree, dict[str, jax.Array]], tuple[tuple[jax.Array, dict], PyTree]]
 
 
-def value_and_grad(loss_fn: LossFn) -> GradFn:
-    """((loss, metrics), grads) of `loss_fn(params, batch)` for the whole batch at once."""
-    return jax.value_and_grad(loss_fn, has_aux=True)
-
-
 def split_microbatches(x: jax.Array, pieces: int) -> jax.Array:
     """(B, ...) -> (M, B/M, ...) where microbatch m takes rows m, m+M, m+2M, ...
 

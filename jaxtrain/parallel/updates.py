@@ -14,14 +14,12 @@
 The train state keeps `params` as the global model (what evaluation and checkpoints see), and adds what a policy
 needs: `local` (per-replica params and optimizer state, leading dim sharded over `replica`) or `delayed` (the
 gradients not yet applied). Their steps are pure functions around the update core every step shares,
-`step.apply_update`.
+`step.apply_update`; `training/setup.py:compose_step` chooses one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.errors import UserInputError
-from jaxtrain.parallel.step import GradFn, apply_update, train_step
+from jaxtrain.parallel.step import GradFn, apply_update
 
 PyTree = Any
 POLICIES = ("synchronous", "local_sgd", "diloco", "stale")
@@ -113,25 +111,6 @@ class UpdatePolicy:
             grads = jax.tree.map(lambda p: jnp.zeros((self.staleness, *p.shape), p.dtype), params)
             return {"delayed": {"grads": grads, "count": jnp.zeros((), jnp.int32)}}
         return {}
-
-    def step_fn(
-        self,
-        grad_fn: GradFn,
-        optimizer: optax.GradientTransformation,
-        schedule: optax.Schedule,
-        mesh: Mesh,
-        total_steps: int,
-    ) -> Callable:
-        """The pure `(state, batch) -> (state, metrics)` of this policy."""
-        common = {"grad_fn": grad_fn, "optimizer": optimizer, "schedule": schedule}
-        if self.is_local:
-            outer = self.outer_optimizer()
-            return functools.partial(
-                local_step, **common, outer=outer, mesh=mesh, sync_every=self.sync_every, total_steps=total_steps
-            )
-        if self.name == "stale":
-            return functools.partial(stale_step, **common, staleness=self.staleness)
-        return functools.partial(train_step, **common)
 
 
 def stale_step(

@@ -419,7 +419,7 @@ def sync_program(mesh: Mesh, sync: GradientSync | None, values: int) -> jax.stag
     axes = data_axes(mesh)
     mean = sync.mean if sync else functools.partial(jax.lax.pmean, axis_name=axes)
     # check_vma=False: the explicit algorithms' results are equal on every replica by construction, which the type
-    # system cannot see through their dynamic indexing (as in GradientSync.wrap).
+    # system cannot see through their dynamic indexing (as in step.replica_gradients).
     body = jax.shard_map(
         lambda g: mean(g[0]), mesh=mesh, in_specs=PartitionSpec(axes), out_specs=PartitionSpec(), check_vma=False
     )

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from orbax.checkpoint._src.path import async_path
 
-from jaxtrain import run as run_module
 from jaxtrain.config import apply_overrides, default_config
 from jaxtrain.training.checkpoint import CheckpointWriteError, restore
 from jaxtrain.training.loop import train
+from jaxtrain.training.model import ModelParts
 from jaxtrain.training.recovery import Diverged
 from jaxtrain.training.run_lock import LOCK_NAME
 from jaxtrain.training.setup import Setup, build
@@ -135,16 +135,11 @@ def poisoned_batches(monkeypatch):
     """Train batches whose index is in the returned set give a NaN loss (their tokens are all NUL, a byte the
     built-in text never has, and the wrapped loss turns that into NaN)."""
     bad: set[int] = set()
-    make_grad_fn, make_batch = run_module._grad_fn, Setup.batch
+    make_loss, make_batch = ModelParts.loss_fn, Setup.batch
 
-    def grad_fn(*args):
-        inner = make_grad_fn(*args)
-
-        def poisoned(params, batch):
-            (loss, metrics), grads = inner(params, batch)
-            return (jnp.where(jnp.all(batch["tokens"] == 0), jnp.nan, loss), metrics), grads
-
-        return poisoned
+    def loss_fn(self, params, batch):
+        loss, metrics = make_loss(self, params, batch)
+        return jnp.where(jnp.all(batch["tokens"] == 0), jnp.nan, loss), metrics
 
     def batch(self, split, index):
         batch = make_batch(self, split, index)
@@ -152,7 +147,7 @@ def poisoned_batches(monkeypatch):
             batch = {k: jax.device_put(jnp.zeros_like(v), v.sharding) for k, v in batch.items()}
         return batch
 
-    monkeypatch.setattr(run_module, "_grad_fn", grad_fn)
+    monkeypatch.setattr(ModelParts, "loss_fn", loss_fn)
     monkeypatch.setattr(Setup, "batch", batch)
     return bad
 

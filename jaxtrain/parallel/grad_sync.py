@@ -16,8 +16,8 @@ The gradient is flattened, padded to a multiple of N and cut into buckets of `bu
 `compression="bf16"` every message is bfloat16 while sums are kept in float32, and each value is rounded once, by
 its owner, so all replicas end with the same bits. The result is the mean over the replicas, like XLA's.
 
-    >>> sync = GradientSync("ring", axes=("data",), sizes={"data": 8})       # doctest: +SKIP
-    >>> grad_fn = sync.wrap(grad_fn, mesh)                                     # doctest: +SKIP
+    >>> sync = GradientSync("ring", axes=("data",), sizes={"data": 8})                 # doctest: +SKIP
+    >>> grad_fn = replica_gradients(grad_fn, mesh, sync.axes, sync.mean)                # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
-from jax.sharding import Mesh
 
 from jaxtrain.analysis.comm_report import Expected
 from jaxtrain.errors import UserInputError
-from jaxtrain.parallel.step import GradFn, replica_gradients
 
 ALGORITHMS = ("ring", "hierarchical", "parameter_server")
 COMPRESSIONS = {"none": None, "bf16": jnp.bfloat16}
@@ -85,13 +83,9 @@ class GradientSync:
     def inner_axes(self) -> tuple[str, ...]:
         return tuple(a for a in self.axes if a != GROUP_AXIS)
 
-    def wrap(self, grad_fn: GradFn, mesh: Mesh) -> GradFn:
-        """`grad_fn` run on each replica's rows, its gradient averaged by this algorithm, its loss and metrics by a
-        pmean (a few scalars). Every parameter must be replicated over `axes` (the caller checks)."""
-        return replica_gradients(grad_fn, mesh, self.axes, self.mean)
-
     def mean(self, grads):
-        """Inside `shard_map`: the mean of `grads` over the replicas."""
+        """Inside `shard_map`: the mean of `grads` over the replicas (`step.replica_gradients` runs it). Every
+        parameter must be replicated over `axes` (the caller checks)."""
         flat, unravel = ravel_pytree(grads)
         unit = 2 * self.replicas  # every chunk even-sized, so bfloat16 messages pack into 32-bit words
         padded = jnp.pad(flat.astype(jnp.float32), (0, -flat.size % unit))

@@ -1,8 +1,9 @@
 """Pure training and evaluation steps.
 
-`train_step(state, batch) -> (state, metrics)` takes no mesh, config or I/O: its choices (the loss, the optimizer,
-gradient accumulation) are bound with `functools.partial` by the caller. State is a plain dict:
-`{"params": ..., "opt_state": ..., "step": int32}`.
+The pieces `training/setup.py:compose_step` puts together: gradient accumulation and the replicas' gradient mean
+(wrappers around a `GradFn`), and `apply_update`, the update core of every update policy's step, of which
+`train_step` is the synchronous one. None reads the run config or does I/O: choices are bound with
+`functools.partial` by the caller. State is a plain dict: `{"params": ..., "opt_state": ..., "step": int32}`.
 """
 
 from __future__ import annotations
@@ -20,11 +21,6 @@ from jaxtrain.sharding.constraints import constrain
 PyTree = Any
 LossFn = Callable[[PyTree, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 GradFn = Callable[[PyTree, dict[str, jax.Array]], tuple[tuple[jax.Array, dict], PyTree]]
-
-
-def value_and_grad(loss_fn: LossFn) -> GradFn:
-    """((loss, metrics), grads) of `loss_fn(params, batch)` for the whole batch at once."""
-    return jax.value_and_grad(loss_fn, has_aux=True)
 
 
 def split_microbatches(x: jax.Array, pieces: int) -> jax.Array:
@@ -102,47 +98,46 @@ def train_step(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
 ) -> tuple[dict[str, PyTree], dict[str, jax.Array]]:
-    """One optimizer update. Metrics: loss, grad_norm (before clipping), learning_rate, nonfinite, and the loss's own.
+    """The synchronous policy's step: one optimizer update with this batch's gradient, skipped where the loss or
+    gradient is not finite. Metrics: loss, grad_norm, learning_rate, nonfinite, and the loss's own (`apply_update`)."""
+    new_state, metrics, _ = apply_update(state, grad_fn(state["params"], batch), optimizer=optimizer, schedule=schedule)
+    return new_state, metrics
+
+
+def apply_update(
+    state: dict[str, PyTree],
+    gradient: tuple[tuple[jax.Array, dict[str, jax.Array]], PyTree],
+    *,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    applied: PyTree | None = None,
+    ready: jax.Array | None = None,
+) -> tuple[dict[str, PyTree], dict[str, jax.Array], jax.Array]:
+    """The update core every step shares. From `gradient`, what a `GradFn` returns at `state["params"]`
+    (((loss, metrics), grads)): the gradient's norm, whether it and the loss are finite, one optimizer update of
+    params and opt_state, the step counter advanced. Returns (state, metrics, finite); metrics are the loss's own,
+    then loss, grad_norm (before clipping), learning_rate and nonfinite.
 
     A non-finite loss or gradient leaves params and optimizer state as they were (`nonfinite` is 1): one bad batch
     or one overflow must not poison the run. The step counter, which is also the data position, still advances.
+    `applied`: the gradient to apply instead of this one (the stale policy applies an older one; `finite` and the
+    metrics still describe this one); `ready`: apply only where it is true too.
     """
-    (loss, metrics), grads = grad_fn(state["params"], batch)
+    (loss, metrics), grads = gradient
     grad_norm = optax.tree.norm(grads)
-    finite = is_finite(loss, grad_norm)
-    params, opt_state = guarded_update(optimizer, grads, state["opt_state"], state["params"], finite)
-    new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}
-    return new_state, step_metrics(metrics, loss, grad_norm, schedule(state["step"]), finite)
-
-
-def is_finite(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
-    return jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-
-def guarded_update(
-    optimizer: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, params: PyTree, apply: jax.Array
-) -> tuple[PyTree, PyTree]:
-    """(params, opt_state) after one optimizer update with `grads` if `apply`, else unchanged."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    params, opt_state = state["params"], state["opt_state"]
 
     def update():
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        updates, new_opt_state = optimizer.update(grads if applied is None else applied, opt_state, params)
         return optax.apply_updates(params, updates), new_opt_state
 
     # A cond rather than a select per array: the skipped branch costs nothing and the taken one no extra pass.
-    return jax.lax.cond(apply, update, lambda: (params, opt_state))
-
-
-def step_metrics(
-    metrics: dict[str, jax.Array], loss: jax.Array, grad_norm: jax.Array, learning_rate: jax.Array, finite: jax.Array
-) -> dict[str, jax.Array]:
-    """A step's metrics: the loss's own, then loss, grad_norm, learning_rate and nonfinite (1 if skipped)."""
-    return {
-        **metrics,
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "learning_rate": learning_rate,
-        "nonfinite": (~finite).astype(jnp.int32),
-    }
+    params, opt_state = jax.lax.cond(finite if ready is None else finite & ready, update, lambda: (params, opt_state))
+    new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}
+    learning_rate, nonfinite = schedule(state["step"]), (~finite).astype(jnp.int32)
+    metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "nonfinite": nonfinite}
+    return new_state, metrics, finite
 
 
 def eval_step(params: PyTree, batch: dict[str, jax.Array], *, loss_fn: LossFn) -> dict[str, jax.Array]:

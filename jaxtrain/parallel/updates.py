@@ -13,14 +13,13 @@
 
 The train state keeps `params` as the global model (what evaluation and checkpoints see), and adds what a policy
 needs: `local` (per-replica params and optimizer state, leading dim sharded over `replica`) or `delayed` (the
-gradients not yet applied). Steps are pure functions like `step.train_step`.
+gradients not yet applied). Their steps are pure functions around the update core every step shares,
+`step.apply_update`; `training/setup.py:compose_step` chooses one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.errors import UserInputError
-from jaxtrain.parallel.step import GradFn, guarded_update, is_finite, step_metrics, train_step
+from jaxtrain.parallel.step import GradFn, apply_update
 
 PyTree = Any
 POLICIES = ("synchronous", "local_sgd", "diloco", "stale")
@@ -113,25 +112,6 @@ class UpdatePolicy:
             return {"delayed": {"grads": grads, "count": jnp.zeros((), jnp.int32)}}
         return {}
 
-    def step_fn(
-        self,
-        grad_fn: GradFn,
-        optimizer: optax.GradientTransformation,
-        schedule: optax.Schedule,
-        mesh: Mesh,
-        total_steps: int,
-    ) -> Callable:
-        """The pure `(state, batch) -> (state, metrics)` of this policy."""
-        common = {"grad_fn": grad_fn, "optimizer": optimizer, "schedule": schedule}
-        if self.is_local:
-            outer = self.outer_optimizer()
-            return functools.partial(
-                local_step, **common, outer=outer, mesh=mesh, sync_every=self.sync_every, total_steps=total_steps
-            )
-        if self.name == "stale":
-            return functools.partial(stale_step, **common, staleness=self.staleness)
-        return functools.partial(train_step, **common)
-
 
 def stale_step(
     state: dict[str, PyTree],
@@ -145,24 +125,17 @@ def stale_step(
     """Compute this step's gradient, apply the one computed `staleness` steps ago (nothing until there is one).
 
     A non-finite gradient is dropped: neither queued nor applied, the queue waits."""
-    (loss, metrics), grads = grad_fn(state["params"], batch)
-    grad_norm = optax.tree.norm(grads)
-    finite = is_finite(loss, grad_norm)
+    gradient = grad_fn(state["params"], batch)
     delayed = state["delayed"]
-    queue = jax.tree.map(lambda q, g: jnp.concatenate([q, g[None]]), delayed["grads"], grads)
+    queue = jax.tree.map(lambda q, g: jnp.concatenate([q, g[None]]), delayed["grads"], gradient[1])
     oldest = jax.tree.map(lambda q: q[0], queue)
-    apply = finite & (delayed["count"] >= staleness)
-    params, opt_state = guarded_update(optimizer, oldest, state["opt_state"], state["params"], apply)
+    ready = delayed["count"] >= staleness
+    new_state, metrics, finite = apply_update(
+        state, gradient, optimizer=optimizer, schedule=schedule, applied=oldest, ready=ready
+    )
     kept = jax.tree.map(lambda q, old: jnp.where(finite, q[1:], old), queue, delayed["grads"])
     count = jnp.minimum(delayed["count"] + finite.astype(jnp.int32), staleness)
-    new_state = {
-        **state,
-        "params": params,
-        "opt_state": opt_state,
-        "step": state["step"] + 1,
-        "delayed": {"grads": kept, "count": count},
-    }
-    return new_state, step_metrics(metrics, loss, grad_norm, schedule(state["step"]), finite)
+    return {**new_state, "delayed": {"grads": kept, "count": count}}, metrics
 
 
 def local_step(
@@ -184,24 +157,21 @@ def local_step(
     data, fsdp and tensor axes as the rules say."""
 
     def per_replica(local, params, opt_state, step, batch):
-        own, own_opt = jax.tree.map(lambda x: x[0], (local["params"], local["opt_state"]))
-        (loss, metrics), grads = grad_fn(own, batch)
-        grad_norm = optax.tree.norm(grads)
-        finite = is_finite(loss, grad_norm)
-        own, own_opt = guarded_update(optimizer, grads, own_opt, own, finite)
+        own = jax.tree.map(lambda x: x[0], local)  # this replica's {"params", "opt_state"}
+        gradient = grad_fn(own["params"], batch)
+        own, metrics, _ = apply_update({**own, "step": step}, gradient, optimizer=optimizer, schedule=schedule)
 
         def average():
-            change = jax.tree.map(jnp.subtract, params, jax.lax.pmean(own, REPLICA_AXIS))
+            change = jax.tree.map(jnp.subtract, params, jax.lax.pmean(own["params"], REPLICA_AXIS))
             updates, new_opt_state = outer.update(change, opt_state, params)
             new_params = optax.apply_updates(params, updates)
             return new_params, new_opt_state, new_params
 
         due = ((step + 1) % sync_every == 0) | (step + 1 == total_steps)
-        params, opt_state, own = jax.lax.cond(due, average, lambda: (params, opt_state, own))
-        metrics = step_metrics(metrics, loss, grad_norm, schedule(step), finite)
+        params, opt_state, own_params = jax.lax.cond(due, average, lambda: (params, opt_state, own["params"]))
         nonfinite = jax.lax.pmax(metrics.pop("nonfinite"), REPLICA_AXIS)
         metrics = {**jax.lax.pmean(metrics, REPLICA_AXIS), "nonfinite": nonfinite}
-        local = jax.tree.map(lambda x: x[None], {"params": own, "opt_state": own_opt})
+        local = jax.tree.map(lambda x: x[None], {"params": own_params, "opt_state": own["opt_state"]})
         return local, params, opt_state, metrics
 
     local, params, opt_state, metrics = jax.shard_map(

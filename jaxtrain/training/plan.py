@@ -112,7 +112,7 @@ class Plan:
         donated unless `donate_state=False`.
         """
 
-        def traced(*args):
+        def traced(*args):  # a new function per compile: JAX caches a trace per function, blind to these rules
             with activation_sharding(self.mesh, self.rules):
                 return step_fn(*args)
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import optax
 from jax.sharding import Mesh
 
 from jaxtrain.analysis.comm_report import communication_report
@@ -23,8 +24,8 @@ from jaxtrain.data.datasets import Dataset, global_batch, make_dataset, model_da
 from jaxtrain.formatting import fmt_bytes
 from jaxtrain.parallel.grad_sync import GradientSync
 from jaxtrain.parallel.pipeline import Pipeline, make_pipeline, stacked_layer_count
-from jaxtrain.parallel.step import GradFn, accumulate_gradients, eval_step, replica_gradients, value_and_grad
-from jaxtrain.parallel.updates import UpdatePolicy
+from jaxtrain.parallel.step import GradFn, accumulate_gradients, eval_step, replica_gradients, train_step
+from jaxtrain.parallel.updates import UpdatePolicy, local_step, stale_step
 from jaxtrain.registry import resolve_model
 from jaxtrain.sharding.mesh import build_mesh, describe_mesh, parse_layout
 from jaxtrain.sharding.rules import ShardingRules
@@ -32,6 +33,8 @@ from jaxtrain.training.distributed import describe_processes
 from jaxtrain.training.model import ModelParts, split_model
 from jaxtrain.training.optim import make_optimizer
 from jaxtrain.training.plan import Plan, make_plan
+
+StepFn = Callable[[dict[str, Any], dict[str, jax.Array]], tuple[dict[str, Any], dict[str, jax.Array]]]
 
 
 @dataclasses.dataclass
@@ -44,7 +47,7 @@ class Setup:
     dataset: Dataset
     optimizer: Any
     grad_fn: GradFn  # ((loss, metrics), grads) of params on a global batch, as the train step computes them
-    step_fn: Callable  # (state, batch) -> (state, metrics), uncompiled
+    step_fn: StepFn  # (state, batch) -> (state, metrics), uncompiled
     tokens_per_step: int  # batch x sequence length; batch for models that do not read sequences
     pipeline: Pipeline | None = None
     grad_sync: GradientSync | None = None  # an explicit gradient synchronisation algorithm, if one is chosen
@@ -176,19 +179,41 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     plan.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
 
     sync = _gradient_sync(cfg, plan)
-    grad_fn = _grad_fn(cfg, plan, pipeline, sync)
+    grad_fn, step_fn = compose_step(cfg, plan, pipeline, sync, policy, optimizer, schedule)
     seq_len = cfg.data.seq_len if spec.task == "lm" else 1
-    return Setup(
-        cfg,
-        plan,
-        dataset,
-        optimizer,
-        grad_fn,
-        policy.step_fn(grad_fn, optimizer, schedule, mesh, cfg.train.steps),
-        cfg.data.batch_size * seq_len,
-        pipeline,
-        sync,
-    )
+    return Setup(cfg, plan, dataset, optimizer, grad_fn, step_fn, cfg.data.batch_size * seq_len, pipeline, sync)
+
+
+def compose_step(
+    cfg: RunConfig,
+    plan: Plan,
+    pipeline: Pipeline | None,
+    sync: GradientSync | None,
+    policy: UpdatePolicy,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+) -> tuple[GradFn, StepFn]:
+    """The train step, composed here and nowhere else: the gradient, accumulated, synchronised, under an update
+    policy, through the update core. Returns the gradient function (params, batch) -> ((loss, metrics), grads) and
+    the step (state, batch) -> (state, metrics), both pure and uncompiled (`Plan.compile` compiles them)."""
+    t, mesh, loss_fn = cfg.train, plan.mesh, plan.model.loss_fn
+    # 1. The gradient of the model's loss on one piece of the batch, through the pipeline schedule if there is one.
+    grad_fn = pipeline.value_and_grad(loss_fn) if pipeline else jax.value_and_grad(loss_fn, has_aux=True)
+    # 2. Accumulation: the batch's `grad_accum` pieces one after another, averaged (nothing added for one piece).
+    grad_fn = accumulate_gradients(grad_fn, t.grad_accum)
+    # 3. Gradient sync. `xla`: nothing added; the shardings make XLA reduce each gradient where it is formed.
+    if t.grad_sync == "fused":  # one all-reduce of loss, metrics and the whole gradient, after accumulation
+        grad_fn = replica_gradients(grad_fn, mesh, plan.rules.batch_axes())
+    elif sync is not None:  # an explicit algorithm (ring, hierarchical, parameter server) averages the gradient
+        grad_fn = replica_gradients(grad_fn, mesh, sync.axes, sync.mean)
+    # 4. The update policy chooses the step; 5. every step updates through the update core, `step.apply_update`.
+    common = {"grad_fn": grad_fn, "optimizer": optimizer, "schedule": schedule}
+    if policy.is_local:  # local_sgd, diloco: each replica steps alone; every `sync_every` steps, an outer step
+        outer = {"outer": policy.outer_optimizer(), "sync_every": policy.sync_every, "total_steps": t.steps}
+        return grad_fn, functools.partial(local_step, **common, **outer, mesh=mesh)
+    if policy.name == "stale":  # the gradient of `staleness` steps ago is applied
+        return grad_fn, functools.partial(stale_step, **common, staleness=policy.staleness)
+    return grad_fn, functools.partial(train_step, **common)
 
 
 def _update_policy(cfg: RunConfig, mesh: Mesh) -> UpdatePolicy:
@@ -225,24 +250,15 @@ def _pipeline(cfg: RunConfig, mesh: Mesh, model: ModelParts, shapes: dict) -> Pi
     )
 
 
-def _grad_fn(cfg: RunConfig, plan: Plan, pipeline: Pipeline | None, sync: GradientSync | None) -> GradFn:
-    """Loss and gradient of a batch: accumulated over `grad_accum` pieces, synchronised as `grad_sync` says."""
-    grad_fn = pipeline.value_and_grad(plan.model.loss_fn) if pipeline else value_and_grad(plan.model.loss_fn)
-    grad_fn = accumulate_gradients(grad_fn, cfg.train.grad_accum)
-    if cfg.train.grad_sync == "xla":
-        return grad_fn
-    _check_pure_data_parallel(cfg, plan)
-    if cfg.train.grad_sync == "fused":
-        return replica_gradients(grad_fn, plan.mesh, plan.rules.batch_axes())
-    return sync.wrap(grad_fn, plan.mesh)
-
-
 def _gradient_sync(cfg: RunConfig, plan: Plan) -> GradientSync | None:
-    """The explicit synchronisation algorithm `train.grad_sync` names, over the mesh's data-parallel axes."""
+    """The explicit synchronisation algorithm `train.grad_sync` names, over the mesh's data-parallel axes; None for
+    XLA's own reduction and for the fused all-reduce. Any but XLA's needs pure data parallelism."""
     t = cfg.train
-    if t.grad_sync in ("xla", "fused"):
+    if t.grad_sync == "xla":
         return None
     _check_pure_data_parallel(cfg, plan)
+    if t.grad_sync == "fused":
+        return None
     # In mesh order, whatever the order of the batch rule: ppermute over several axes requires it.
     axes = tuple(a for a in plan.mesh.axis_names if a in plan.rules.batch_axes() and plan.mesh.shape[a] > 1)
     bucket = int(t.grad_bucket_mb * 2**20)

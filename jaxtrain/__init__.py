@@ -17,8 +17,7 @@ load on first use.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ from jaxtrain.errors import ConfigError, UserInputError
 from jaxtrain.registry import ModelRegistrationError, ModelSpec, available_models, register_model
 
 if TYPE_CHECKING:
-    from jaxtrain.config import RunConfig
+    from jaxtrain.run_config import RunConfig
     from jaxtrain.training.checkpoint import CheckpointWriteError
     from jaxtrain.training.loop import train
     from jaxtrain.training.model import PlanError
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
 
 # Names loaded on first use (PEP 562): each imports JAX and most of the library.
 _LAZY = {
-    "RunConfig": "jaxtrain.config",
+    "RunConfig": "jaxtrain.run_config",
     "train": "jaxtrain.training.loop",
     "PlanError": "jaxtrain.training.model",
     "Preempted": "jaxtrain.training.recovery",
@@ -62,9 +61,12 @@ __all__ = [
 ]
 
 
-def config(model: str | RunConfig = "gpt", /, *, overrides: Sequence[str] = (), **settings: object) -> RunConfig:
+def config(
+    model: str | os.PathLike | RunConfig = "gpt", /, *, overrides: Sequence[str] = (), **settings: object
+) -> RunConfig:
     """The run config of `model` (`gpt-tiny`, `mlp`, a model you registered, ...): its preset with `settings`, then
-    `overrides`, applied. Given a `RunConfig` instead, that config with them applied.
+    `overrides`, applied. Given a `RunConfig` instead, that config with them applied; given the path of a run config
+    file (`run.toml`, or the `config.toml` a run wrote beside its checkpoints), that file's config with them applied.
 
     `settings`: config keys by their unique short names (`steps=20`, `learning_rate=1e-3`, `batch_size=8`), `mesh=`
     (a shipped layout's name, a .toml path, or inline "data=2,tensor=2") and `rules={"embed": "fsdp"}`; a dotted key
@@ -77,13 +79,16 @@ def config(model: str | RunConfig = "gpt", /, *, overrides: Sequence[str] = (), 
     (20, 0.001, 'data=2,tensor=2')
     >>> config(cfg, mesh="cpu8-data").mesh
     'cpu8-data'
+    >>> config("runs/a/ckpt/config.toml", checkpoint_dir="runs/b/ckpt")                # doctest: +SKIP
     >>> config("gpt-tiny", stpes=20)
     Traceback (most recent call last):
     jaxtrain.errors.ConfigError: unknown config key 'stpes'. Did you mean: steps, dtype?
     """
-    from jaxtrain.config import apply_overrides, default_config
+    from jaxtrain.run_config import apply_overrides, default_config, load_config
 
     given = [item for key, value in settings.items() for item in _as_overrides(key, value)]
+    if isinstance(model, str | os.PathLike) and str(model).endswith(".toml"):
+        return load_config(model, overrides=[*given, *overrides])
     base = default_config(model) if isinstance(model, str) else model
     return apply_overrides(base, [*given, *overrides])
 
@@ -132,17 +137,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """`jaxtrain`'s module type. Importing the submodule `jaxtrain.config` (the run config's code, which most of the
-    library imports) binds it as the package's attribute `config` and would hide the function `config` above: the
-    function keeps the name. The module is still imported by its full name: `from jaxtrain.config import ...`."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "config" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

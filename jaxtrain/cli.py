@@ -30,7 +30,7 @@ from jaxtrain.errors import CHECKPOINT_WRITE_FAILED_EXIT, UserInputError  # impo
 from jaxtrain.settings import Accepts
 
 if TYPE_CHECKING:  # jaxtrain modules are imported lazily here: JAX must see --simulated-devices before it starts
-    from jaxtrain.config import RunConfig
+    from jaxtrain.run_config import RunConfig
 
 BAD_INPUT_EXIT = 2  # as argparse's own
 UNEXPECTED_ERROR_EXIT = 1  # an error jaxtrain did not foresee: a bug, or bad input it does not check yet
@@ -257,7 +257,7 @@ def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argpars
 def _run_config(args: argparse.Namespace) -> RunConfig | None:
     """The run config that train's --config file, flags and key=value overrides describe; None after printing
     every config key (--help-config). Raises UserInputError for a bad key or value."""
-    from jaxtrain.config import describe_config, load_config
+    from jaxtrain.run_config import describe_config, load_config
 
     flags = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
     flags += [f"mesh={args.mesh}"] * bool(args.mesh)

@@ -63,7 +63,7 @@ def log(message: str) -> None:
 
 
 def make(mesh: str, extra=(), devices=None):
-    from jaxtrain.config import apply_overrides, default_config
+    from jaxtrain.run_config import apply_overrides, default_config
     from jaxtrain.training.setup import setup
 
     cfg = apply_overrides(default_config("gpt"), [*SHAPE, f"mesh={mesh}", *extra])

@@ -44,7 +44,7 @@ def log(message: str) -> None:
 
 def run(model: str, overrides: list[str]) -> tuple[dict, object]:
     """Train to the end; the summary (with the logged history) and the compiled setup it used."""
-    from jaxtrain.config import apply_overrides, default_config
+    from jaxtrain.run_config import apply_overrides, default_config
     from jaxtrain.training.loop import train
     from jaxtrain.training.setup import build
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 
 import jaxtrain
 from jaxtrain import registry
+from jaxtrain.run_config import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -186,12 +187,12 @@ def test_unknown_models_and_bad_registrations_say_what_to_do():
     assert "lm" not in jaxtrain.available_models() and "bytes" in jaxtrain.available_models()
 
 
-def test_config_stays_the_function_whatever_imports_the_module():
-    import jaxtrain.config as imported  # binds the package's attribute, which the package keeps for the function
-    from jaxtrain.config import RunConfig, apply_overrides
-
-    assert imported is jaxtrain.config and callable(jaxtrain.config) and RunConfig is jaxtrain.RunConfig
-    assert sys.modules["jaxtrain.config"].apply_overrides is apply_overrides
+def test_config_reads_a_run_config_file_then_the_keywords(tmp_path):
+    cfg = jaxtrain.config("gpt-tiny", mesh="data=2,tensor=4", steps=7, checkpoint_dir=str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt").mkdir()
+    written = write_config(cfg)
+    assert jaxtrain.config(written) == cfg
+    assert jaxtrain.config(str(written), steps=3, overrides=["steps=4"]) == jaxtrain.config(cfg, steps=4)
 
 
 def test_plan_reports_on_hardware_this_machine_lacks():

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain.config import apply_overrides, default_config
+from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.checkpoint import CheckpointError, Checkpoints, describe_checkpoint, restore
 from jaxtrain.training.loop import train
 from jaxtrain.training.run_identity import RunIdentityError

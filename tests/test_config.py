@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from jaxtrain.config import (
+from jaxtrain.registry import available_models
+from jaxtrain.run_config import (
     ConfigError,
     DataConfig,
     OptimizerConfig,
@@ -13,7 +14,6 @@ from jaxtrain.config import (
     default_config,
     describe_config,
 )
-from jaxtrain.registry import available_models
 from jaxtrain.settings import accepts_of, describe_field
 from models.gpt import GPTConfig
 

@@ -12,7 +12,8 @@ from test_checkpoint import run_train
 
 import jaxtrain.training.loop
 from jaxtrain.cli import FLAG_KEYS, main
-from jaxtrain.config import (
+from jaxtrain.registry import available_models
+from jaxtrain.run_config import (
     CONFIG_FILE,
     ConfigError,
     ConfigWriteError,
@@ -23,7 +24,6 @@ from jaxtrain.config import (
     resolve_key,
     write_config,
 )
-from jaxtrain.registry import available_models
 
 MESH = "data=2,fsdp=2,tensor=2"
 TINY = "--model gpt-tiny --batch-size 8 --seq-len 32 --log-every 1 --no-progress".split()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from orbax.checkpoint._src.path import async_path
 
-from jaxtrain.config import apply_overrides, default_config
+from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.checkpoint import CheckpointWriteError, restore
 from jaxtrain.training.loop import train
 from jaxtrain.training.model import ModelParts

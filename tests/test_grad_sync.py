@@ -8,8 +8,8 @@ from helpers import cached_run, make_run
 
 from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.analysis.hlo import collectives
-from jaxtrain.config import ConfigError
 from jaxtrain.parallel.grad_sync import GradSyncError
+from jaxtrain.run_config import ConfigError
 
 STEPS = 5
 # Plain SGD: each update is -lr x the synchronised gradient, so the params' change sees any error in it, its scale

@@ -26,7 +26,7 @@ LAYERS = {
     "jaxtrain.sharding": 1,
     "jaxtrain.data": 1,
     "jaxtrain.parallel": 2,
-    "jaxtrain.config": 3,
+    "jaxtrain.run_config": 3,
     "jaxtrain.training": 4,
     "jaxtrain.planner": 5,
     "jaxtrain.cli": 6,

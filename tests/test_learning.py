@@ -6,7 +6,7 @@ import pytest
 from conftest import shared_file
 from flax import nnx
 
-from jaxtrain.config import apply_overrides, default_config
+from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.loop import train
 
 pytestmark = pytest.mark.slow

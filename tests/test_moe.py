@@ -10,8 +10,8 @@ import pytest
 from helpers import assert_curves_close, cached_run, curve, make_run, reference_curve
 
 from jaxtrain.analysis.comm_report import communication_report
-from jaxtrain.config import ConfigError, apply_overrides, default_config
 from jaxtrain.parallel.pipeline import PipelineError
+from jaxtrain.run_config import ConfigError, apply_overrides, default_config
 from jaxtrain.training.loop import train
 from models.moe import route
 

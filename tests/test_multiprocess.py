@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from launch_local import commands, free_port  # noqa: E402
 from test_fault_tolerance import without_dac_override  # noqa: E402
 
-from jaxtrain.config import apply_overrides, default_config  # noqa: E402
+from jaxtrain.run_config import apply_overrides, default_config  # noqa: E402
 from jaxtrain.training.loop import train  # noqa: E402
 from jaxtrain.training.run_lock import LOCK_NAME  # noqa: E402
 

@@ -7,9 +7,9 @@ import pytest
 from helpers import BF16_GRAD_RTOL, assert_gradients_close, gradients, make_run
 
 from jaxtrain.analysis.hlo import collectives
-from jaxtrain.config import ConfigError
 from jaxtrain.parallel.pipeline import PipelineError
 from jaxtrain.parallel.schedules import ScheduleError, build_schedule
+from jaxtrain.run_config import ConfigError
 
 MODEL = ["n_layers=8", "batch_size=16"]
 SCHEDULES = {  # name -> extra overrides

@@ -11,9 +11,9 @@ import pytest
 
 from jaxtrain.analysis.chips import CHIPS, ChipError, chip
 from jaxtrain.cli import main
-from jaxtrain.config import apply_overrides, default_config
 from jaxtrain.errors import UserInputError
 from jaxtrain.planner import USABLE_HBM, comm_by_axes, estimate, fits_with, format_estimate, measure, plan_report
+from jaxtrain.run_config import apply_overrides, default_config
 
 TINY = ["batch_size=8", "seq_len=32", "train.steps=10"]
 # Collective bytes per set of mesh axes must agree within 25%. XLA decides details the analytic model does not

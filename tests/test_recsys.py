@@ -10,9 +10,9 @@ from helpers import assert_curves_close, cached_run, curve, make_run, reference_
 
 from jaxtrain.analysis.hlo import collectives
 from jaxtrain.analysis.memory import total_bytes
-from jaxtrain.config import apply_overrides, default_config
 from jaxtrain.data.clicks import Clicks, batches, logistic_baseline
 from jaxtrain.errors import UserInputError
+from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.loop import train
 from models.recsys import DLRM, RecsysConfig
 

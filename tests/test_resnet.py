@@ -12,7 +12,7 @@ from helpers import assert_curves_close, curve, make_run
 
 from jaxtrain.analysis.comm_report import axes_of_group
 from jaxtrain.analysis.hlo import collectives
-from jaxtrain.config import ConfigError, apply_overrides, default_config
+from jaxtrain.run_config import ConfigError, apply_overrides, default_config
 from jaxtrain.training.loop import train
 from models.resnet import PRESETS, ImageShapeError, ResNet
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 from test_checkpoint import ROOT, config, digest, run_train
 
-from jaxtrain.config import ConfigError, TrainConfig, apply_overrides, default_config
 from jaxtrain.errors import UserInputError
+from jaxtrain.run_config import ConfigError, TrainConfig, apply_overrides, default_config
 from jaxtrain.training import run_identity
 from jaxtrain.training.checkpoint import newest_meta
 from jaxtrain.training.loop import train

@@ -12,7 +12,7 @@ from helpers import TINY
 from test_checkpoint import config
 
 from jaxtrain.cli import _run_config, _train_parser
-from jaxtrain.config import apply_overrides, default_config
+from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.loop import train
 from jaxtrain.training.metrics import MetricsError
 from jaxtrain.training.run_identity import config_json, fingerprint

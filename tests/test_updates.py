@@ -10,8 +10,8 @@ from helpers import make_run
 from test_checkpoint import run_train
 
 from jaxtrain.analysis.comm_report import communication_report
-from jaxtrain.config import ConfigError
 from jaxtrain.parallel.updates import UpdatePolicyError
+from jaxtrain.run_config import ConfigError
 from jaxtrain.training.optim import make_schedule
 
 SGD = ["optimizer.name=sgd", "clip_norm=0", "learning_rate=0.1"]  # linear in the gradient, as FedAvg's analysis

@@ -33,13 +33,13 @@ import jax
 
 from jaxtrain.analysis.chips import Chip
 from jaxtrain.analysis.memory import tree_device_bytes
-from jaxtrain.config import RunConfig, apply_overrides
 from jaxtrain.data.datasets import make_dataset, model_data_args
 from jaxtrain.parallel.updates import UpdatePolicy
 from jaxtrain.planner.tracing import StepTrace
 from jaxtrain.planner.transfers import Transfer, merge_transfers
 from jaxtrain.planner.weights import gathered_layer_bytes, weight_transfers
 from jaxtrain.registry import resolve_model
+from jaxtrain.run_config import RunConfig, apply_overrides
 from jaxtrain.sharding.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
 from jaxtrain.sharding.rules import ShardingRules
 from jaxtrain.training.model import split_model

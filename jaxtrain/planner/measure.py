@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import jax
 
 from jaxtrain.analysis.comm_report import communication_report
-from jaxtrain.config import RunConfig
+from jaxtrain.run_config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import jax
 
 from jaxtrain.analysis.chips import CHIPS, ChipError, chip, chip_for_device_kind
-from jaxtrain.config import RunConfig
 from jaxtrain.formatting import fmt_bytes, format_table
 from jaxtrain.planner.estimate import USABLE_HBM, Estimate, Memory, estimate, fits_with
 from jaxtrain.planner.measure import Measured, measure
 from jaxtrain.planner.transfers import Transfer, comm_by_axes
 from jaxtrain.registry import resolve_model
+from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.mesh import parse_layout
 
 

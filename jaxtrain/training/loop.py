@@ -1,6 +1,6 @@
 """The training loop: resume or start, step, log, evaluate, checkpoint, roll back, stop on a signal.
 
->>> from jaxtrain.config import apply_overrides, default_config
+>>> from jaxtrain.run_config import apply_overrides, default_config
 >>> cfg = apply_overrides(default_config("gpt-tiny"), ["steps=20", "mesh=data=2,tensor=2"])
 >>> summary = train(cfg)                                    # doctest: +SKIP
 >>> summary["loss"], summary["tokens_per_sec"]              # doctest: +SKIP
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxtrain.analysis.flops import peak_flops
-from jaxtrain.config import RunConfig, write_config
+from jaxtrain.run_config import RunConfig, write_config
 from jaxtrain.training import run_lock
 from jaxtrain.training.checkpoint import Checkpoints
 from jaxtrain.training.distributed import to_host

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from jaxtrain.config import ConfigError, OptimizerConfig
+from jaxtrain.run_config import ConfigError, OptimizerConfig
 
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:

@@ -22,8 +22,8 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from jaxtrain.config import RunConfig
 from jaxtrain.errors import UserInputError
+from jaxtrain.run_config import RunConfig
 from jaxtrain.training import run_identity
 from jaxtrain.training.checkpoint import (
     CheckpointMismatchError,

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.config import RunConfig, resolve_key
+from jaxtrain.run_config import RunConfig, resolve_key
 from jaxtrain.training.checkpoint import CheckpointError
 
 # Keys that may differ between a checkpoint and the run resuming from it (any `rules.*` too): see the module's doc.

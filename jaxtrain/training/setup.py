@@ -1,6 +1,6 @@
 """A run, built: mesh -> rules -> model -> plan -> data -> the step, composed here and nowhere else.
 
->>> from jaxtrain.config import apply_overrides, default_config
+>>> from jaxtrain.run_config import apply_overrides, default_config
 >>> run = build(apply_overrides(default_config("gpt-tiny"), ["mesh=data=2,tensor=2"]))  # doctest: +SKIP
 >>> run.train_step                                   # compiled on first use            # doctest: +SKIP
 """
@@ -19,7 +19,6 @@ from jax.sharding import Mesh
 
 from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.analysis.memory import memory_report
-from jaxtrain.config import ConfigError, RunConfig
 from jaxtrain.data.datasets import Dataset, global_batch, make_dataset, model_data_args
 from jaxtrain.formatting import fmt_bytes
 from jaxtrain.parallel.grad_sync import GradientSync
@@ -27,6 +26,7 @@ from jaxtrain.parallel.pipeline import Pipeline, make_pipeline, stacked_layer_co
 from jaxtrain.parallel.step import GradFn, accumulate_gradients, eval_step, replica_gradients, train_step
 from jaxtrain.parallel.updates import UpdatePolicy, local_step, stale_step
 from jaxtrain.registry import resolve_model
+from jaxtrain.run_config import ConfigError, RunConfig
 from jaxtrain.sharding.mesh import build_mesh, describe_mesh, parse_layout
 from jaxtrain.sharding.rules import ShardingRules
 from jaxtrain.training.distributed import describe_processes

@@ -25,6 +25,11 @@ stacked weights is therefore the layout's, not the model's (`StageLayout.to_mode
 What a model must do for this to work (see `scan_layers`): `pre` treats batch rows independently (true of
 embeddings), the layer function closes over nothing that depends on the batch, and the stacked params reach
 `scan_layers` unchanged.
+
+Reading the program: `_pipelined` (pre, the shard_map, pre's gradient) -> `_stage_program` (one device's step)
+-> `_tick` at every row of the schedule -> `_forward` (with `_loss_tick` on the last virtual stage) and
+`_backward`, then `_sum_over_stages`. A `_Stage` is what a device holds, a stash (`_ResidualStash`,
+`_InputStash`) what a forward keeps for its backward, and `_Carry` what passes from tick to tick.
 """
 
 from __future__ import annotations

@@ -25,6 +25,11 @@ stacked weights is therefore the layout's, not the model's (`StageLayout.to_mode
 What a model must do for this to work (see `scan_layers`): `pre` treats batch rows independently (true of
 embeddings), the layer function closes over nothing that depends on the batch, and the stacked params reach
 `scan_layers` unchanged.
+
+Reading the program: `_pipelined` (pre, the shard_map, pre's gradient) -> `_stage_program` (one device's step)
+-> `_tick` at every row of the schedule -> `_forward` (with `_loss_tick` on the last virtual stage) and
+`_backward`, then `_sum_over_stages`. A `_Stage` is what a device holds, a stash (`_ResidualStash`,
+`_InputStash`) what a forward keeps for its backward, and `_Carry` what passes from tick to tick.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -363,172 +368,345 @@ def _stage_program(
     microbatches; x_micro: (M, B/M, ...) each microbatch's input to the first layer.
     Returns (loss, metrics), and with grads: (d_outer, d_stacked, d_x_micro).
     """
-    p, slots, m_count = layout.stages, layout.slots, schedule.microbatches
-    last_chunk = p * layout.virtual - 1
-    stage = jax.lax.axis_index("pipeline")
-    first_micro = jax.tree.map(lambda x: x[0], micro)
-    layer, layer_tree = pieces.layer_and_order(outer, stacked, first_micro)
-    counts = jnp.asarray(layout.chunk_counts())  # (V, P)
-    outer_names = [n for n, is_stacked in zip(pieces.names, pieces.is_stacked) if not is_stacked]
+    stage = _Stage.inside(pieces, layout, schedule, with_grads, outer, stacked, micro, x_micro)
+    stash = None  # what each forward keeps for its backward
+    if with_grads:
+        stash = _InputStash(stage) if recompute else _ResidualStash(stage)
+    tick = functools.partial(_tick, stage, stash)
+    carry, _ = jax.lax.scan(tick, _initial_carry(stage, stash), _tick_tables(schedule))
+    return _sum_over_stages(stage, carry)
 
-    # Both branches of a `cond` must agree on their outputs' layout: pin activations to the batch layout and
-    # parameter gradients to their parameters' layout.
-    def pin_x(x):
-        return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
-    def pin_outer(grads):
-        return [constrain(g, n, like_params=True) for g, n in zip(grads, outer_names)]
+def _pin_activation(x: jax.Array) -> jax.Array:
+    # Both branches of a `cond` must agree on their outputs' layout: activations (and their gradients) keep the
+    # batch layout.
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
-    def placeholder():
-        return pin_x(jnp.zeros_like(x_micro[0]))
 
-    def chunk_rows(v):
-        return [jax.lax.dynamic_slice_in_dim(x, v * slots, slots) for x in stacked]
+def _buffer(n: int, like: jax.Array) -> jax.Array:
+    """(n + 1, *like.shape) zeros: n slots and a trash slot, where work nobody needs is written."""
+    return jnp.zeros((n + 1, *like.shape), like.dtype)
 
-    def run_chunk(rows, x, count):
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """What one device holds inside the pipeline's shard_map, and the computations on its chunks of layers.
+
+    outer/stacked: the params (stacked leaves: this device's rows, V chunks of `layout.slots` rows each);
+    micro: (M, B/M, ...) the batch split into microbatches; x_micro: (M, B/M, ...) each microbatch's input to the
+    first layer; index: this device's place on the pipeline axis.
+    """
+
+    pieces: _ModelPieces
+    layout: StageLayout
+    schedule: Schedule
+    with_grads: bool
+    outer: list
+    stacked: list
+    micro: dict
+    x_micro: jax.Array
+    index: jax.Array
+    first_micro: dict
+    layer: Callable  # the model's layer function: (x, one layer's params) -> x
+    layer_tree: Callable[[list], Any]  # one row of each stacked leaf -> the layer's params argument
+    counts: jax.Array  # (V, P): layers in chunk v of device s; rows past the count are padding
+
+    @classmethod
+    def inside(cls, pieces, layout, schedule, with_grads, outer, stacked, micro, x_micro) -> _Stage:
+        """Called inside the shard_map, where the pipeline axis index is known."""
+        index = jax.lax.axis_index("pipeline")
+        first_micro = jax.tree.map(lambda x: x[0], micro)
+        layer, layer_tree = pieces.layer_and_order(outer, stacked, first_micro)
+        counts = jnp.asarray(layout.chunk_counts())
+        return cls(
+            pieces=pieces,
+            layout=layout,
+            schedule=schedule,
+            with_grads=with_grads,
+            outer=outer,
+            stacked=stacked,
+            micro=micro,
+            x_micro=x_micro,
+            index=index,
+            first_micro=first_micro,
+            layer=layer,
+            layer_tree=layer_tree,
+            counts=counts,
+        )
+
+    def is_virtual_stage(self, v: jax.Array, j: int) -> jax.Array:
+        """Whether chunk v of this device is virtual stage j (0: the first, P*V - 1: the last)."""
+        return v * self.layout.stages + self.index == j
+
+    @property
+    def last_virtual_stage(self) -> int:
+        return self.layout.stages * self.layout.virtual - 1
+
+    def placeholder(self) -> jax.Array:
+        """What a device with no work this tick computes on (and sends): zeros shaped like one microbatch's x."""
+        return _pin_activation(jnp.zeros_like(self.x_micro[0]))
+
+    def pin_outer(self, grads: list) -> list:
+        # Both branches of a `cond` must agree on their outputs' layout: gradients keep their parameters' layout.
+        names = [n for n, is_stacked in zip(self.pieces.names, self.pieces.is_stacked) if not is_stacked]
+        return [constrain(g, n, like_params=True) for g, n in zip(grads, names)]
+
+    def micro_at(self, m: jax.Array) -> dict:
+        """Microbatch m of the batch: (B/M, ...) leaves."""
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, m, keepdims=False), self.micro)
+
+    def chunk_rows(self, v: jax.Array) -> list:
+        """Chunk v's rows of every stacked leaf: (slots, ...)."""
+        slots = self.layout.slots
+        return [jax.lax.dynamic_slice_in_dim(x, v * slots, slots) for x in self.stacked]
+
+    def run_chunk(self, rows: list, x: jax.Array, count: jax.Array) -> jax.Array:
+        """x (B/M, ...) through the first `count` layers of `rows`; the padding rows after them leave x as it is."""
+        padded = self.layout.slots != min(self.layout.counts)
+
         def one(h, inputs):
             k, layer_rows = inputs
-            if slots == min(layout.counts):  # no padding anywhere: no per-layer test
-                return layer(h, layer_tree(layer_rows)), None
-            return jax.lax.cond(k < count, lambda: pin_x(layer(h, layer_tree(layer_rows))), lambda: pin_x(h)), None
+            if not padded:  # no padding anywhere: no per-layer test
+                return self.apply_layer(h, layer_rows), None
+            return jax.lax.cond(
+                k < count, lambda: _pin_activation(self.apply_layer(h, layer_rows)), lambda: _pin_activation(h)
+            ), None
 
-        return jax.lax.scan(one, x, (jnp.arange(slots), rows))[0]
+        return jax.lax.scan(one, x, (jnp.arange(self.layout.slots), rows))[0]
 
-    def micro_at(m):
-        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, m, keepdims=False), micro)
+    def apply_layer(self, x: jax.Array, layer_rows: list) -> jax.Array:
+        """One layer: x (B/M, ...) through the layer whose params are `layer_rows` (one row of each stacked leaf)."""
+        return self.layer(x, self.layer_tree(layer_rows))
 
-    def chunk_vjp(rows, v, x):
-        return jax.vjp(lambda r, h: run_chunk(r, h, counts[v, stage]), rows, x)
+    def forward_chunk(self, v: jax.Array, x: jax.Array) -> jax.Array:
+        """Chunk v's forward on x, keeping nothing for a backward."""
+        return self.run_chunk(self.chunk_rows(v), x, self.counts[v, self.index])
 
-    if recompute:
-        # The stash keeps only each forward's input; the backward runs the chunk's forward again.
-        stash_like = [x_micro[0]]
+    def chunk_vjp(self, rows: list, v: jax.Array, x: jax.Array) -> tuple[jax.Array, Callable]:
+        """Chunk v's forward on x, and its vjp: d(out) -> (d(rows), d(x))."""
+        return jax.vjp(lambda r, h: self.run_chunk(r, h, self.counts[v, self.index]), rows, x)
 
-        def save(v, x):
-            return run_chunk(chunk_rows(v), x, counts[v, stage]), [x]
 
-        def restore(v, kept):
-            return chunk_vjp(chunk_rows(v), v, kept[0])[1]
-    elif with_grads:
-        # The stash keeps each forward's autodiff residuals, minus the chunk's weights (the same at every tick, so
-        # read again at the backward).
-        probe_rows = chunk_rows(0)
-        _, probe_vjp = chunk_vjp(probe_rows, 0, x_micro[0])
-        vjp_leaves, vjp_def = jax.tree.flatten(probe_vjp)
-        weight_at = [next((i for i, w in enumerate(probe_rows) if leaf is w), -1) for leaf in vjp_leaves]
-        stash_like = [leaf for leaf, w in zip(vjp_leaves, weight_at) if w < 0]
+class _InputStash:
+    """Keeps only each forward's input; the backward runs the chunk's forward again (less memory, one more forward)."""
 
-        def save(v, x):
-            out, vjp = chunk_vjp(chunk_rows(v), v, x)
-            return out, [leaf for leaf, w in zip(jax.tree.leaves(vjp), weight_at) if w < 0]
+    def __init__(self, stage: _Stage):
+        self.stage = stage
+        self.like = [stage.x_micro[0]]  # what one stash slot holds
 
-        def restore(v, kept):
-            rows, kept = chunk_rows(v), iter(kept)
-            return jax.tree.unflatten(vjp_def, [rows[w] if w >= 0 else next(kept) for w in weight_at])
+    def save(self, v: jax.Array, x: jax.Array) -> tuple[jax.Array, list]:
+        """Chunk v's output on x, and what to stash for its backward."""
+        return self.stage.forward_chunk(v, x), [x]
 
-    def buffer(n, like):  # n slots + 1 trash slot, where work nobody needs is written
-        return jnp.zeros((n + 1, *like.shape), like.dtype)
+    def restore(self, v: jax.Array, kept: list) -> Callable:
+        """Chunk v's vjp, from what `save` stashed."""
+        return self.stage.chunk_vjp(self.stage.chunk_rows(v), v, kept[0])[1]
 
-    metric_shapes = jax.eval_shape(pieces.post, outer, stacked, x_micro[0], first_micro)[1]
-    state = {
-        "acts": buffer(schedule.act_slots, x_micro[0]),
-        "loss": jnp.zeros((), jnp.float32),
-        "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes),
-    }
-    if with_grads:
-        state |= {
-            "stash": [buffer(schedule.stash_slots, leaf) for leaf in stash_like],
-            "grads": buffer(schedule.grad_slots, x_micro[0]),
-            "d_outer": [jnp.zeros_like(o) for o in outer],
-            "d_stacked": [jnp.zeros_like(s) for s in stacked],
-            "d_x": buffer(m_count, x_micro[0]),  # row M is the trash row
-        }
 
-    def tick(state, row):
-        def at(name):
-            return row[name][stage]
+class _ResidualStash:
+    """Keeps each forward's autodiff residuals, minus the chunk's weights (the same at every tick, so read again at
+    the backward): no recompute."""
 
-        def slot(name, trash):
-            return jnp.where(at(name) >= 0, at(name), trash)
+    def __init__(self, stage: _Stage):
+        self.stage = stage
+        # A vjp traced once tells which of its leaves are the chunk's weight rows (found by identity) and which are
+        # residuals to keep; every chunk's vjp has the same structure.
+        probe_rows = stage.chunk_rows(0)
+        _, probe_vjp = stage.chunk_vjp(probe_rows, 0, stage.x_micro[0])
+        vjp_leaves, self.vjp_def = jax.tree.flatten(probe_vjp)
+        # For each vjp leaf: the index of the weight row it is, or -1 for a residual.
+        self.weight_at = [next((i for i, w in enumerate(probe_rows) if leaf is w), -1) for leaf in vjp_leaves]
+        self.like = [leaf for leaf, w in zip(vjp_leaves, self.weight_at) if w < 0]  # what one stash slot holds
 
-        f_on, b_on = at("fwd_v") >= 0, at("bwd_v") >= 0
-        fv, fm, bv, bm = (jnp.maximum(at(k), 0) for k in ("fwd_v", "fwd_m", "bwd_v", "bwd_m"))
+    def save(self, v: jax.Array, x: jax.Array) -> tuple[jax.Array, list]:
+        """Chunk v's output on x, and what to stash for its backward."""
+        out, vjp = self.stage.chunk_vjp(self.stage.chunk_rows(v), v, x)
+        return out, [leaf for leaf, w in zip(jax.tree.leaves(vjp), self.weight_at) if w < 0]
 
-        def forward(state):
-            state = dict(state)
-            x = jnp.where(f_on & (fv * p + stage == 0), x_micro[fm], state["acts"][slot("fwd_in", schedule.act_slots)])
-            if with_grads:
-                out, kept = save(fv, x)
-                where = slot("stash", schedule.stash_slots)
-                state["stash"] = [buf.at[where].set(leaf) for buf, leaf in zip(state["stash"], kept)]
-            else:
-                out = run_chunk(chunk_rows(fv), x, counts[fv, stage])
+    def restore(self, v: jax.Array, kept: list) -> Callable:
+        """Chunk v's vjp, from what `save` stashed and the chunk's weights."""
+        rows, kept = self.stage.chunk_rows(v), iter(kept)
+        return jax.tree.unflatten(self.vjp_def, [rows[w] if w >= 0 else next(kept) for w in self.weight_at])
 
-            def loss_and_grads():
-                if not with_grads:
-                    loss, metrics = pieces.post(outer, stacked, out, micro_at(fm))
-                    return loss, metrics, placeholder(), pin_outer([jnp.zeros_like(o) for o in outer])
-                loss, post_vjp, metrics = jax.vjp(
-                    lambda o, h: pieces.post(o, stacked, h, micro_at(fm)), outer, out, has_aux=True
-                )
-                d_o, d_h = post_vjp(jnp.ones_like(loss) / m_count)  # the step's loss is the mean over microbatches
-                return loss, metrics, pin_x(d_h), pin_outer(d_o)
 
-            def nothing():
-                loss, metrics, _, _ = jax.tree.map(
-                    lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(loss_and_grads)
-                )
-                return loss, metrics, placeholder(), pin_outer([jnp.zeros_like(o) for o in outer])
+_Stash = _InputStash | _ResidualStash
 
-            # The last virtual stage turns its output into the loss and, at once, the gradient its backward needs.
-            loss, metrics, d_h, d_o = jax.lax.cond(f_on & (fv * p + stage == last_chunk), loss_and_grads, nothing)
-            state["loss"] = state["loss"] + loss
-            state["metrics"] = jax.tree.map(jnp.add, state["metrics"], metrics)
-            if with_grads:
-                state["grads"] = state["grads"].at[slot("loss_grad", schedule.grad_slots)].set(d_h)
-                state["d_outer"] = [a + b for a, b in zip(state["d_outer"], d_o)]
-            return state, pin_x(out)
 
-        def backward(state):
-            state = dict(state)
-            vjp = restore(bv, [buf[slot("bwd_stash", schedule.stash_slots)] for buf in state["stash"]])
-            d_rows, d_x = vjp(state["grads"][slot("bwd_grad", schedule.grad_slots)])
-            state["d_stacked"] = [
-                jax.lax.dynamic_update_slice_in_dim(
-                    acc, jax.lax.dynamic_slice_in_dim(acc, bv * slots, slots) + b_on * d, bv * slots, 0
-                )
-                for acc, d in zip(state["d_stacked"], d_rows)
-            ]
-            # The first chunk's input gradient leaves the loop, for the part before the layers.
-            state["d_x"] = state["d_x"].at[jnp.where(b_on & (bv * p + stage == 0), bm, m_count)].set(d_x)
-            return state, pin_x(d_x)
+class _Carry(NamedTuple):
+    """What the tick loop carries from tick to tick on one device. Buffers of slots have one more, the trash slot
+    (see `_buffer`). The gradient fields are None when the program computes no gradients."""
 
-        # A part runs on every device when any device has work for it this tick; the others compute on a
-        # placeholder and write to trash slots, taking the time they would have spent waiting.
-        state, sent_act = jax.lax.cond(row["any_fwd"], forward, lambda s: (s, placeholder()), state)
-        # Activations go to the next device, gradients to the previous one. Both are rings: in the interleaved
-        # schedule the last device's output feeds the first device's next chunk.
-        received = jax.lax.ppermute(sent_act, "pipeline", _ring(p, +1))
-        state["acts"] = state["acts"].at[slot("recv_act", schedule.act_slots)].set(received)
-        if with_grads:
-            state, sent_grad = jax.lax.cond(row["any_bwd"], backward, lambda s: (s, placeholder()), state)
-            received = jax.lax.ppermute(sent_grad, "pipeline", _ring(p, -1))
-            state["grads"] = state["grads"].at[slot("recv_grad", schedule.grad_slots)].set(received)
-        return state, None
+    acts: jax.Array  # (act_slots + 1, B/M, ...): activations received, waiting for their forward
+    d_outer: list | None  # the outer params' gradients (nonzero on the first and last devices only)
+    d_stacked: list | None  # the gradients of this device's stacked rows
+    d_x: jax.Array | None  # (M + 1, B/M, ...): d(loss)/d(x_micro), written by the first virtual stage
+    grads: jax.Array | None  # (grad_slots + 1, B/M, ...): output gradients waiting for their backward
+    loss: jax.Array  # the sum of the losses of the microbatches this device finished
+    metrics: PyTree  # likewise, the sum of their metrics
+    stash: list | None  # (stash_slots + 1, ...) per leaf: what each forward keeps for its backward
 
+
+def _initial_carry(stage: _Stage, stash: _Stash | None) -> _Carry:
+    """Empty buffers and zero sums, before the first tick."""
+    x, schedule = stage.x_micro[0], stage.schedule
+    metric_shapes = jax.eval_shape(stage.pieces.post, stage.outer, stage.stacked, x, stage.first_micro)[1]
+    acts = _buffer(schedule.act_slots, x)
+    loss = jnp.zeros((), jnp.float32)
+    metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
+    if not stage.with_grads:
+        return _Carry(acts, d_outer=None, d_stacked=None, d_x=None, grads=None, loss=loss, metrics=metrics, stash=None)
+    return _Carry(
+        acts,
+        stash=[_buffer(schedule.stash_slots, leaf) for leaf in stash.like],
+        grads=_buffer(schedule.grad_slots, x),
+        d_outer=[jnp.zeros_like(o) for o in stage.outer],
+        d_stacked=[jnp.zeros_like(s) for s in stage.stacked],
+        d_x=_buffer(schedule.microbatches, x),  # row M is the trash row
+        loss=loss,
+        metrics=metrics,
+    )
+
+
+def _tick_tables(schedule: Schedule) -> dict[str, jax.Array]:
+    """The schedule's (ticks, P) tables, plus (ticks,) whether any device runs a forward / backward at each tick."""
     tables = {k: jnp.asarray(v) for k, v in schedule.tables.items()}
     tables["any_fwd"] = jnp.asarray((schedule.tables["fwd_v"] >= 0).any(axis=1))
     tables["any_bwd"] = jnp.asarray((schedule.tables["bwd_v"] >= 0).any(axis=1))
-    state, _ = jax.lax.scan(tick, state, tables)
+    return tables
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """This device's entries in one tick's row of the schedule tables (see `Schedule`)."""
+
+    row: dict[str, jax.Array]
+    index: jax.Array
+    fwd_on: jax.Array  # whether this device runs a forward at this tick
+    bwd_on: jax.Array
+    fwd_chunk: jax.Array  # the forward's chunk v and microbatch m (0 when there is none)
+    fwd_micro: jax.Array
+    bwd_chunk: jax.Array
+    bwd_micro: jax.Array
+
+    @classmethod
+    def at(cls, row: dict[str, jax.Array], index: jax.Array) -> _Work:
+        fwd_on, bwd_on = row["fwd_v"][index] >= 0, row["bwd_v"][index] >= 0
+        chunks_and_micros = (jnp.maximum(row[k][index], 0) for k in ("fwd_v", "fwd_m", "bwd_v", "bwd_m"))
+        return cls(row, index, fwd_on, bwd_on, *chunks_and_micros)
+
+    def slot(self, table: str, trash: int) -> jax.Array:
+        """The slot `table` names for this device, or `trash` where it names none."""
+        entry = self.row[table][self.index]
+        return jnp.where(entry >= 0, entry, trash)
+
+
+def _tick(stage: _Stage, stash: _Stash | None, carry: _Carry, row: dict[str, jax.Array]) -> tuple[_Carry, None]:
+    """One tick on one device: its forward, the activations' hand-on, then its backward, the gradients' hand-back.
+
+    A part runs on every device when any device has work for it this tick; the others compute on a placeholder and
+    write to trash slots, taking the time they would have spent waiting.
+    """
+    work, schedule, stages = _Work.at(row, stage.index), stage.schedule, stage.layout.stages
+    forward = functools.partial(_forward, stage, stash, work)
+    carry, sent_act = jax.lax.cond(row["any_fwd"], forward, functools.partial(_no_work, stage), carry)
+    # Activations go to the next device, gradients to the previous one. Both are rings: in the interleaved
+    # schedule the last device's output feeds the first device's next chunk.
+    received = jax.lax.ppermute(sent_act, "pipeline", _ring(stages, +1))
+    carry = carry._replace(acts=carry.acts.at[work.slot("recv_act", schedule.act_slots)].set(received))
+    if stage.with_grads:
+        backward = functools.partial(_backward, stage, stash, work)
+        carry, sent_grad = jax.lax.cond(row["any_bwd"], backward, functools.partial(_no_work, stage), carry)
+        received = jax.lax.ppermute(sent_grad, "pipeline", _ring(stages, -1))
+        carry = carry._replace(grads=carry.grads.at[work.slot("recv_grad", schedule.grad_slots)].set(received))
+    return carry, None
+
+
+def _no_work(stage: _Stage, carry: _Carry) -> tuple[_Carry, jax.Array]:
+    """A tick part no device has work for: the carry unchanged, and a placeholder to send."""
+    return carry, stage.placeholder()
+
+
+def _forward(stage: _Stage, stash: _Stash | None, work: _Work, carry: _Carry) -> tuple[_Carry, jax.Array]:
+    """This tick's forward on this device: chunk `fwd_chunk` on microbatch `fwd_micro`, its stash written, and on
+    the last virtual stage the loss. Returns the output, for the next virtual stage."""
+    schedule = stage.schedule
+    # The first virtual stage reads its microbatch's input; the others, what they received earlier.
+    from_batch = work.fwd_on & stage.is_virtual_stage(work.fwd_chunk, 0)
+    x = jnp.where(from_batch, stage.x_micro[work.fwd_micro], carry.acts[work.slot("fwd_in", schedule.act_slots)])
+    if stage.with_grads:
+        out, kept = stash.save(work.fwd_chunk, x)
+        where = work.slot("stash", schedule.stash_slots)
+        carry = carry._replace(stash=[buf.at[where].set(leaf) for buf, leaf in zip(carry.stash, kept)])
+    else:
+        out = stage.forward_chunk(work.fwd_chunk, x)
+    loss, metrics, d_out, d_outer = _loss_tick(stage, work, out)
+    carry = carry._replace(loss=carry.loss + loss, metrics=jax.tree.map(jnp.add, carry.metrics, metrics))
+    if stage.with_grads:
+        carry = carry._replace(
+            grads=carry.grads.at[work.slot("loss_grad", schedule.grad_slots)].set(d_out),
+            d_outer=[a + b for a, b in zip(carry.d_outer, d_outer)],
+        )
+    return carry, _pin_activation(out)
+
+
+def _loss_tick(stage: _Stage, work: _Work, out: jax.Array) -> tuple[jax.Array, PyTree, jax.Array, list]:
+    """(loss, metrics, d(loss)/d(out), d(loss)/d(outer)) of this tick's forward output `out`: computed where this
+    device's forward is the last virtual stage's, which turns its output into the loss and, at once, the gradient
+    its backward needs; zeros elsewhere."""
+    compute = functools.partial(_loss_and_grads, stage, out, work.fwd_micro)
+    last = work.fwd_on & stage.is_virtual_stage(work.fwd_chunk, stage.last_virtual_stage)
+    return jax.lax.cond(last, compute, functools.partial(_no_loss, stage, compute))
+
+
+def _loss_and_grads(stage: _Stage, out: jax.Array, m: jax.Array) -> tuple[jax.Array, PyTree, jax.Array, list]:
+    """The loss of microbatch m from the last layer's output `out`, and with grads its gradients (see `_loss_tick`)."""
+    outer, stacked, micro = stage.outer, stage.stacked, stage.micro_at(m)
+    if not stage.with_grads:
+        loss, metrics = stage.pieces.post(outer, stacked, out, micro)
+        return loss, metrics, stage.placeholder(), stage.pin_outer([jnp.zeros_like(o) for o in outer])
+    loss, post_vjp, metrics = jax.vjp(lambda o, h: stage.pieces.post(o, stacked, h, micro), outer, out, has_aux=True)
+    d_outer, d_out = post_vjp(jnp.ones_like(loss) / stage.schedule.microbatches)  # the loss is the microbatches' mean
+    return loss, metrics, _pin_activation(d_out), stage.pin_outer(d_outer)
+
+
+def _no_loss(stage: _Stage, compute: Callable) -> tuple[jax.Array, PyTree, jax.Array, list]:
+    """Zeros shaped like what `compute` (a `_loss_and_grads`) returns."""
+    loss, metrics, _, _ = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(compute))
+    return loss, metrics, stage.placeholder(), stage.pin_outer([jnp.zeros_like(o) for o in stage.outer])
+
+
+def _backward(stage: _Stage, stash: _Stash, work: _Work, carry: _Carry) -> tuple[_Carry, jax.Array]:
+    """This tick's backward on this device: chunk `bwd_chunk`'s vjp, restored from its stash slot, applied to the
+    output gradient waiting for it; the rows' gradients accumulated. Returns d(input), for the previous stage."""
+    schedule, slots = stage.schedule, stage.layout.slots
+    kept = work.slot("bwd_stash", schedule.stash_slots)
+    vjp = stash.restore(work.bwd_chunk, [buf[kept] for buf in carry.stash])
+    d_rows, d_x = vjp(carry.grads[work.slot("bwd_grad", schedule.grad_slots)])
+    start = work.bwd_chunk * slots
+    d_stacked = [
+        jax.lax.dynamic_update_slice_in_dim(
+            acc, jax.lax.dynamic_slice_in_dim(acc, start, slots) + work.bwd_on * d, start, 0
+        )
+        for acc, d in zip(carry.d_stacked, d_rows)
+    ]
+    # The first chunk's input gradient leaves the loop, for the part before the layers.
+    d_x_row = jnp.where(work.bwd_on & stage.is_virtual_stage(work.bwd_chunk, 0), work.bwd_micro, schedule.microbatches)
+    carry = carry._replace(d_stacked=d_stacked, d_x=carry.d_x.at[d_x_row].set(d_x))
+    return carry, _pin_activation(d_x)
+
+
+def _sum_over_stages(stage: _Stage, carry: _Carry) -> tuple:
+    """The step's results from each device's carry: (loss, metrics), and with grads (d_outer, d_stacked, d_x)."""
+    m_count = stage.schedule.microbatches
     # Only the last stage computed losses; only the first and last stages touched the outer params and d_x.
-    loss = jax.lax.psum(state["loss"], "pipeline") / m_count
-    metrics = jax.tree.map(lambda x: jax.lax.psum(x, "pipeline") / m_count, state["metrics"])
-    if not with_grads:
+    loss = jax.lax.psum(carry.loss, "pipeline") / m_count
+    metrics = jax.tree.map(lambda x: jax.lax.psum(x, "pipeline") / m_count, carry.metrics)
+    if not stage.with_grads:
         return loss, metrics
-    d_outer = [jax.lax.psum(g, "pipeline") for g in state["d_outer"]]
+    d_outer = [jax.lax.psum(g, "pipeline") for g in carry.d_outer]
     # (Summed in float32: XLA:CPU fails to compile a bfloat16 all-reduce here.)
-    d_x = jax.lax.psum(state["d_x"][:m_count].astype(jnp.float32), "pipeline").astype(x_micro.dtype)
-    return (loss, metrics), (d_outer, state["d_stacked"], d_x)
+    d_x = jax.lax.psum(carry.d_x[:m_count].astype(jnp.float32), "pipeline").astype(stage.x_micro.dtype)
+    return (loss, metrics), (d_outer, carry.d_stacked, d_x)
 
 
 def _ring(stages: int, step: int) -> list[tuple[int, int]]:

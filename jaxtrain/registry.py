@@ -42,6 +42,8 @@ _MODELS: dict[str, ModelSpec] = {}
 _entry_points_loaded = False
 
 
+# Long: the docstring is the contract a model author reads (what a model provides), with a runnable example;
+# the code is 15 lines.
 def register_model(
     name: str,
     module: type,

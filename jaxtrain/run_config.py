@@ -94,7 +94,7 @@ class TrainConfig(Settings):
     grad_accum: int = setting(1, "sequential pieces of the global batch per optimizer step", at_least=1)
     # How gradients are averaged over the data-parallel axes. xla: the compiler places the reductions (per layer,
     # inside the backward loop, where they can overlap compute). fused: one all-reduce of the whole gradient per
-    # step. ring | hierarchical | parameter_server: explicit algorithms (jaxtrain/comm.py), in buckets of
+    # step. ring | hierarchical | parameter_server: explicit algorithms (jaxtrain/parallel/grad_sync.py), in buckets of
     # grad_bucket_mb, over ps_servers servers, with messages in grad_compression (none | bf16). All but xla need
     # every parameter replicated over the data-parallel axes.
     grad_sync: str = setting("xla", "how gradients are averaged", choices=("xla", "fused", *ALGORITHMS))

@@ -142,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
-    from jaxtrain.cli import enable_compilation_cache
+    from jaxtrain.devices import enable_compilation_cache
 
     enable_compilation_cache()  # the step compiled for training comes back from the cache for the bytes report
 

@@ -1,7 +1,7 @@
 """Dependencies point one way, read from the source's import statements (those inside functions included):
 
-    base (errors, settings, files, formatting, registry)
-      < analysis, sharding, data  < parallel  < config  < training  < planner  < cli and the public API
+    base (errors, settings, files, formatting, registry, devices)
+      < analysis, sharding, data  < parallel  < run_config  < training  < planner  < cli and the public API
 
 No module imports one of a higher layer, no two modules import each other through any chain, the library never
 imports `models`, `scripts` or `tests`, models import only the sharding helpers and the config field checks, and

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxtrain.analysis.flops import peak_flops
-from jaxtrain.run_config import RunConfig, write_config
+from jaxtrain.run_config import RunConfig
 from jaxtrain.training import run_lock
 from jaxtrain.training.checkpoint import Checkpoints
 from jaxtrain.training.distributed import to_host
@@ -78,8 +78,6 @@ def train(
         run = setup(cfg, log, devices)
         with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
             state, progress = initial_state(run, checkpoints, log)
-            if lead:  # the run starts (a refused one writes nothing): <checkpoint_dir>/config.toml, for `--config`
-                write_config(cfg)
             peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
             log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
             sink = _metrics_sink(cfg, lead, on_metrics, progress)

@@ -23,7 +23,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from jaxtrain.errors import UserInputError
-from jaxtrain.run_config import RunConfig
+from jaxtrain.run_config import ConfigWriteError, RunConfig, write_config
 from jaxtrain.training import run_identity
 from jaxtrain.training.checkpoint import (
     CheckpointMismatchError,
@@ -124,6 +124,7 @@ def save_checkpoint(
     for _ in range(2):  # a second try when the failure reported was the previous save's
         try:
             checkpoints.save(progress.step, run.plan.state_in_model_order(state), meta)
+            write_run_config(run.cfg, progress.step)
             return
         except CheckpointWriteError as err:
             this_save = err.step == progress.step
@@ -132,6 +133,18 @@ def save_checkpoint(
             log(f"warning: {err} Training continues (checkpoint_failure=continue).")
             if this_save:
                 return
+
+
+def write_run_config(cfg: RunConfig, step: int) -> None:
+    """`<checkpoint_dir>/config.toml`, the resolved config that `--config` reruns, beside the checkpoint just saved
+    (after it: a run refused or stopped before its first save writes nothing). Process 0 writes it; a failure is
+    storage trouble, like a failed save."""
+    if jax.process_index() != 0:
+        return
+    try:
+        write_config(cfg)
+    except ConfigWriteError as err:
+        raise CheckpointWriteError(str(err), step) from None
 
 
 def roll_back(

@@ -23,6 +23,7 @@ LAYERS = {
     "jaxtrain.registry": 0,
     "jaxtrain.devices": 0,
     "jaxtrain.analysis": 1,
+    "jaxtrain.aot": 1,
     "jaxtrain.sharding": 1,
     "jaxtrain.data": 1,
     "jaxtrain.parallel": 2,

@@ -236,9 +236,9 @@ def _single_slice_device_array(shape: list[int], devices: list[jax.Device]) -> n
 
 
 def _hybrid_device_array(ici_shape: list[int], dcn_shape: list[int], devices: list[jax.Device]) -> np.ndarray:
-    if hasattr(devices[0], "slice_index"):  # TPU multi-slice: slices are the granules
+    if len({getattr(d, "slice_index", 0) for d in devices}) > 1:  # TPU multi-slice: slices are the granules
         return mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices, allow_split_physical_axes=True)
-    if jax.process_count() > 1:  # GPU clusters and multi-process CPU: each host (process) is a granule
+    if len({d.process_index for d in devices}) > 1:  # GPU clusters, multi-process CPU: each host is a granule
         return mesh_utils.create_hybrid_device_mesh(
             ici_shape, dcn_shape, devices, process_is_granule=True, allow_split_physical_axes=True
         )

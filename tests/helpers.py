@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 
 import jax
 import numpy as np
+import pytest
 
+from jaxtrain.aot.targets import TPU_CHIPS, Target, compile_target, parse_target
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.setup import Setup, build
 
@@ -27,6 +31,28 @@ def cached_run(mesh: str, overrides: tuple[str, ...] = (), model: str = "gpt-tin
     """`make_run` once per test session for each (mesh, overrides, model), on 1 device for "single", else 8: tests
     that share a run share its compiled steps (each compile costs seconds)."""
     return make_run(mesh, overrides, model=model, devices=1 if mesh == "single" else 8)
+
+
+@functools.cache
+def aot_target(name: str, slices: int = 1) -> Target:
+    """The compile-only devices called `name` ('v5p:2x2x2', 'h100:8'), once per session. Where the extra that
+    compiles for them is not installed the test skips saying which, except under CI (CI=true), which installs both
+    extras: there a skip would hide a broken install."""
+    package, extra = (
+        ("libtpu", "tpu-aot") if parse_target(name)[0] in TPU_CHIPS else ("jax_plugins.xla_cuda12", "gpu-aot")
+    )
+    if importlib.util.find_spec(package) is None:
+        why = f"compiling for {name} needs the {extra} extra: pip install -e '.[{extra}]'"
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"{why}; CI installs it", pytrace=False)
+        pytest.skip(why)
+    return compile_target(name, slices)
+
+
+def aot_run(target: Target, mesh: str, overrides: tuple[str, ...] = (), model: str = "gpt-tiny") -> Setup:
+    """A run built on `target`'s compile-only devices: its steps compile for that hardware and cannot run."""
+    cfg = apply_overrides(default_config(model), [*TINY, *overrides, f"mesh={mesh}"])
+    return build(cfg, log=lambda *_: None, devices=target.devices)
 
 
 @functools.cache

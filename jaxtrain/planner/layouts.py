@@ -185,6 +185,11 @@ class Flow:
                 self.spec[o] = ((),) * (len(o.aval.shape) - len(spec)) + spec
 
 
+class TraceError(RuntimeError):
+    """A traced equation the planner cannot read: its form is not what this version of the planner expects (a JAX
+    upgrade may have changed it). The message names the equation and what was expected."""
+
+
 def walk(jaxpr: Jaxpr, trips: int = 1, flow: Flow | None = None) -> Iterator[tuple[Any, int]]:
     """Every equation, nested ones included, with how often it runs (loop trip counts multiplied); with `flow`,
     what is known of each value is updated as the walk goes."""
@@ -193,7 +198,7 @@ def walk(jaxpr: Jaxpr, trips: int = 1, flow: Flow | None = None) -> Iterator[tup
         if flow is not None and not subs:
             flow.infer(eqn)
         yield eqn, trips
-        inner = trips * eqn.params["length"] if eqn.primitive.name == "scan" else trips
+        inner = trips * scan_length(eqn) if eqn.primitive.name == "scan" else trips
         for sub in subs:
             if flow is not None:
                 flow.enter(eqn, sub)
@@ -203,6 +208,55 @@ def walk(jaxpr: Jaxpr, trips: int = 1, flow: Flow | None = None) -> Iterator[tup
 
 
 def body_of(eqn: Any) -> Jaxpr:
-    """The jaxpr a loop or remat equation runs."""
-    body = eqn.params["jaxpr"]
-    return body.jaxpr if isinstance(body, ClosedJaxpr) else body
+    """The one jaxpr a loop or remat equation runs."""
+    subs = list(jaxprs_in_params(eqn.params))
+    if len(subs) != 1:
+        raise TraceError(f"expected one nested jaxpr in the '{eqn.primitive.name}' equation, found {len(subs)}: {eqn}")
+    return subs[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParts:
+    """A scan equation's operands read from its shapes alone (no version-specific params): the loop-invariant
+    `consts`, the `carry` passed from one iteration to the next and the `xs` sliced along their leading dim."""
+
+    consts: tuple
+    carry: tuple
+    xs: tuple
+    length: int
+
+
+def scan_parts(eqn: Any) -> ScanParts:
+    """Split a scan's inputs into (consts, carry, xs) the way every JAX version lays them out: an xs operand is its
+    body's input with one more, leading, dim; a carry is one of the leading outputs shaped as its body's output
+    (the stacked ys gain a leading dim), and the carries are the inputs just before the xs."""
+    body = body_of(eqn)
+    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+        raise TraceError(f"a scan whose body takes {len(body.invars)} inputs for {len(eqn.invars)} operands: {eqn}")
+    stacked = [_shape(o)[1:] == _shape(i) and len(_shape(o)) == len(_shape(i)) + 1 for o, i in zip(eqn.invars, body.invars)]
+    n_xs = next((k for k, s in enumerate(reversed(stacked)) if not s), len(stacked))
+    pairs = zip(eqn.outvars, body.outvars)
+    n_carry = next((k for k, (o, i) in enumerate(pairs) if _shape(o) != _shape(i)), len(eqn.outvars))
+    start = len(eqn.invars) - n_xs - n_carry
+    carried = [_shape(v) for v in body.invars[max(start, 0) : start + n_carry]]
+    if start < 0 or carried != [_shape(v) for v in body.outvars[:n_carry]]:
+        raise TraceError(
+            f"cannot tell a scan's carry from its other operands by their shapes ({n_carry} carried outputs, "
+            f"{n_xs} stacked inputs of {len(eqn.invars)}): {eqn}"
+        )
+    invars = tuple(eqn.invars)
+    xs = invars[start + n_carry :]
+    lengths = {_shape(v)[0] for v in (*xs, *eqn.outvars[n_carry:])}
+    length = lengths.pop() if len(lengths) == 1 else eqn.params.get("length")
+    if not isinstance(length, int) or lengths:
+        raise TraceError(f"cannot read how many times a scan runs (stacked dims {sorted(lengths)}): {eqn}")
+    return ScanParts(invars[:start], invars[start : start + n_carry], xs, length)
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def scan_length(eqn: Any) -> int:
+    """How many times a scan runs its body."""
+    return scan_parts(eqn).length

@@ -22,7 +22,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from jaxtrain.analysis.comm_report import SEND_SHARE
-from jaxtrain.planner.layouts import Flow, Shares, Spec, body_of, spec_entries, walk
+from jaxtrain.planner.layouts import Flow, Shares, Spec, body_of, scan_parts, spec_entries, walk
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.planner.weights import params_in_use
 from jaxtrain.sharding.constraints import activation_sharding
@@ -179,9 +179,7 @@ class StepTrace:
         scans = [eqn for eqn, _ in walk(self.loss_jaxpr) if eqn.primitive.name == "scan"]
         if not scans:
             return 0.0
-        longest = max(scans, key=lambda e: e.params["length"])
-        # jax 0.12's scan splits its inputs into (consts, carry, xs) with the flat tree `ft_in`.
-        _, carry, _ = longest.params["ft_in"].update(list(longest.invars)).unpack()
+        carry = max((scan_parts(eqn) for eqn in scans), key=lambda parts: parts.length).carry
         return sum(self.shares.bytes(v.aval) for v in carry)
 
 

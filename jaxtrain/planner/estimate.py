@@ -30,11 +30,13 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from jaxtrain.analysis.chips import Chip
-from jaxtrain.analysis.memory import tree_device_bytes
 from jaxtrain.data.datasets import make_dataset, model_data_args
+from jaxtrain.errors import UserInputError
 from jaxtrain.parallel.updates import UpdatePolicy
+from jaxtrain.planner.tiling import held_bytes
 from jaxtrain.planner.tracing import StepTrace
 from jaxtrain.planner.transfers import Transfer, merge_transfers
 from jaxtrain.planner.weights import gathered_layer_bytes, weight_transfers
@@ -46,6 +48,9 @@ from jaxtrain.training.model import split_model
 from jaxtrain.training.optim import make_optimizer
 from jaxtrain.training.plan import Plan, make_plan
 
+# The compilers an estimate can follow: XLA for TPU and for GPU (what the chips run), and XLA:CPU (simulated devices,
+# to check an estimate on this machine: it stores arrays untiled and casts no weights before gathering them).
+COMPILERS = ("tpu", "gpu", "cpu")
 # Share of a chip's HBM a step may use: the runtime, XLA's scratch space and fragmentation take the rest.
 USABLE_HBM = 0.9
 
@@ -88,6 +93,7 @@ class Estimate:
     model_flops: float  # the model's own count, for MFU
     hbm_bytes: float
     model_flops_traced: bool = False  # the config has no `train_flops`: model_flops is 3 x the traced forward pass
+    compiler: str = "tpu"  # whose habits the memory and collectives follow (`COMPILERS`)
 
     @property
     def devices(self) -> int:
@@ -133,12 +139,19 @@ class Estimate:
         return self.chip.dcn_bw if self._is_slow(axes) else self.chip.ici_bw
 
 
-def estimate(cfg: RunConfig, chip: Chip, devices: int, layout: MeshLayout | None = None) -> Estimate:
-    """Plan `cfg` on `devices` chips laid out as `layout` (default: `cfg.mesh`).
+def estimate(
+    cfg: RunConfig, chip: Chip, devices: int, layout: MeshLayout | None = None, compiler: str | None = None
+) -> Estimate:
+    """Plan `cfg` on `devices` chips laid out as `layout` (default: `cfg.mesh`), as `compiler` (one of `COMPILERS`;
+    default: the chip's) compiles it; `compiler="cpu"` describes the same step compiled for simulated CPU devices,
+    to check the estimate against it.
 
     >>> est = estimate(default_config("gpt-small"), chip("v5p"), 256, parse_layout("tpu-v5p-512"))  # doctest: +SKIP
     >>> est.fits, est.memory.peak, est.step_s                                                      # doctest: +SKIP
     """
+    compiler = compiler or platform_of(chip)
+    if compiler not in COMPILERS:
+        raise UserInputError(f"compiler '{compiler}': plan for one of {', '.join(COMPILERS)}.")
     layout = layout or parse_layout(cfg.mesh)
     _, dcn = layout.resolve(devices)  # checks the layout takes `devices`
     task = resolve_model(cfg.model_name)[0].task
@@ -146,9 +159,11 @@ def estimate(cfg: RunConfig, chip: Chip, devices: int, layout: MeshLayout | None
     plan = _abstract_plan(cfg, layout, devices)
     shapes = _batch_shapes(cfg, task)
     batch = plan.abstract_batch(shapes, accum)  # checks the batch divides
-    step = StepTrace(plan, shapes, accum)
-    memory = _memory(plan, batch, step, accum)
+    tiled = compiler == "tpu"
+    step = StepTrace(plan, shapes, accum, tiled)
+    memory = _memory(plan, batch, step, accum, tiled)
     model_flops, traced = _model_flops(cfg, task, step, devices)
+    transfers = [*weight_transfers(plan, accum, *step.weight_uses()), *step.transfers()]
     return Estimate(
         cfg,
         layout,
@@ -156,11 +171,12 @@ def estimate(cfg: RunConfig, chip: Chip, devices: int, layout: MeshLayout | None
         frozenset(a for a in MESH_AXES if dcn[a] > 1),
         chip,
         memory,
-        merge_transfers([*weight_transfers(plan, accum, step.used), *step.transfers()]),
+        merge_transfers([t.on_cpu() for t in transfers] if compiler == "cpu" else transfers),
         flops=step.flops,
         model_flops=model_flops,
         hbm_bytes=step.matmul_bytes + 2 * (memory.params + memory.opt_state) + 2 * memory.grads,
         model_flops_traced=traced,
+        compiler=compiler,
     )
 
 
@@ -184,19 +200,30 @@ def _batch_shapes(cfg: RunConfig, task: str) -> dict[str, jax.ShapeDtypeStruct]:
     return dataset.shapes(cfg.data.batch_size)
 
 
-def _memory(plan: Plan, batch: object, step: StepTrace, accum: int) -> Memory:
+def platform_of(chip: Chip) -> str:
+    """'tpu' or 'gpu': whose compiler the estimate describes."""
+    return "tpu" if chip.device_kinds[0].startswith("TPU") else "gpu"
+
+
+def _memory(plan: Plan, batch: object, step: StepTrace, accum: int, tiled: bool) -> Memory:
     state = plan.abstract_state
     other = {k: v for k, v in state.items() if k not in ("params", "opt_state")}
-    params = tree_device_bytes(state["params"])
+    params = _held(state["params"], tiled)
     return Memory(
         params=params,
-        opt_state=tree_device_bytes(state["opt_state"]),
-        other_state=tree_device_bytes(other),
-        batch=tree_device_bytes(batch),
+        opt_state=_held(state["opt_state"], tiled),
+        other_state=_held(other, tiled),
+        batch=_held(batch, tiled),
         grads=params * (2 if accum > 1 else 1),
         activations=step.saved_bytes(),
         working=step.working_bytes() + gathered_layer_bytes(plan, step.used),
     )
+
+
+def _held(tree: object, tiled: bool) -> float:
+    """Bytes one device holds of the arrays of `tree` (as XLA:TPU stores them where `tiled`)."""
+    leaves = jax.tree.leaves(tree)
+    return sum(held_bytes(x.sharding.shard_shape(x.shape), np.dtype(x.dtype).itemsize, tiled) for x in leaves)
 
 
 def _model_flops(cfg: RunConfig, task: str, step: StepTrace, devices: int) -> tuple[float, bool]:

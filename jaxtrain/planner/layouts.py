@@ -17,8 +17,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxprs_in_params
+from jax.extend.core import Jaxpr, Literal, jaxprs_in_params
 from jax.sharding import PartitionSpec
+
+from jaxtrain.planner.tiling import held_bytes
 
 # What is known of a traced value's layout: per dim, the mesh axes splitting it, or None where unknown.
 Spec = tuple[tuple[str, ...] | None, ...]
@@ -40,6 +42,7 @@ class Shares:
     batch_axes: tuple[str, ...]  # the axes splitting batch dims where nothing else is known
     split: Mapping[str, frozenset[int]]  # mesh axis -> sizes of the logical dims split over it
     mesh_shape: Mapping[str, int]
+    tiled: bool = False  # memory is counted as XLA:TPU stores arrays (`jaxtrain.planner.tiling`)
 
     def is_batch(self, size: int) -> bool:
         """Whether a dim of `size` carries the batch (a multiple of the probe's rows)."""
@@ -75,6 +78,12 @@ class Shares:
             return 0.0
         return math.prod(self.sizes(aval.shape, spec)) * np.dtype(aval.dtype).itemsize
 
+    def held(self, aval: Any, spec: Spec | None = None) -> float:
+        """Per-device bytes a value of abstract value `aval` takes in memory (`bytes`, padded where `tiled`)."""
+        if not hasattr(aval, "shape"):
+            return 0.0
+        return held_bytes(self.sizes(aval.shape, spec), np.dtype(aval.dtype).itemsize, self.tiled)
+
 
 class Flow:
     """What is known of each value of a traced step while walking it in order: its layout (`Spec`: from the batch's
@@ -83,7 +92,7 @@ class Flow:
     of one, or a layer's slice in a scan)."""
 
     # Ops whose output is still the parameter they take (cast, copied, broadcast for a bias, reshaped).
-    _VIEWS = {"convert_element_type", "copy", "copy_p", "reshard", "broadcast_in_dim", "reshape", "squeeze"}
+    VIEWS = frozenset({"convert_element_type", "copy", "copy_p", "reshard", "broadcast_in_dim", "reshape", "squeeze"})
 
     def __init__(self, shares: Shares, jaxpr: Jaxpr | None = None, param_specs: Sequence[Spec] = ()):
         self.shares = shares
@@ -102,7 +111,7 @@ class Flow:
 
     def infer(self, eqn: Any) -> None:
         """Set what is known of the outputs of `eqn`, an op without nested jaxprs."""
-        if eqn.primitive.name in self._VIEWS and not isinstance(eqn.invars[0], Literal) and eqn.invars[0] in self.param:
+        if eqn.primitive.name in self.VIEWS and not isinstance(eqn.invars[0], Literal) and eqn.invars[0] in self.param:
             self.param[eqn.outvars[0]] = self.param[eqn.invars[0]]
         for out in eqn.outvars:
             ndim = len(out.aval.shape) if hasattr(out.aval, "shape") else 0
@@ -233,7 +242,9 @@ def scan_parts(eqn: Any) -> ScanParts:
     body = body_of(eqn)
     if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
         raise TraceError(f"a scan whose body takes {len(body.invars)} inputs for {len(eqn.invars)} operands: {eqn}")
-    stacked = [_shape(o)[1:] == _shape(i) and len(_shape(o)) == len(_shape(i)) + 1 for o, i in zip(eqn.invars, body.invars)]
+    stacked = [
+        _shape(o)[1:] == _shape(i) and len(_shape(o)) == len(_shape(i)) + 1 for o, i in zip(eqn.invars, body.invars)
+    ]
     n_xs = next((k for k, s in enumerate(reversed(stacked)) if not s), len(stacked))
     pairs = zip(eqn.outvars, body.outvars)
     n_carry = next((k for k, (o, i) in enumerate(pairs) if _shape(o) != _shape(i)), len(eqn.outvars))

@@ -19,10 +19,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
 
 from jaxtrain.analysis.comm_report import SEND_SHARE
 from jaxtrain.planner.layouts import Flow, Shares, Spec, body_of, scan_parts, spec_entries, walk
+from jaxtrain.planner.residuals import held_residuals
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.planner.weights import params_in_use
 from jaxtrain.sharding.constraints import activation_sharding
@@ -36,17 +38,36 @@ _REMAT = {"remat2", "checkpoint"}  # jax.checkpoint's primitive (named remat2 in
 _MATMULS = ("dot_general", "conv_general_dilated")
 
 
+@dataclasses.dataclass
+class Lookup:
+    """The rows looked up in one table (a parameter a gather indexes) per microbatch."""
+
+    rows: float = 0.0  # bytes of the rows one device looks up, in the table's dtype
+    cotangent_itemsize: int = 4  # bytes per element of the rows' gradient: the dtype they are cast to after the lookup
+
+    def cotangent_bytes(self, table_itemsize: int) -> float:
+        """Bytes of the rows' gradient."""
+        return self.rows * self.cotangent_itemsize / table_itemsize
+
+
 class StepTrace:
     """The loss and its gradient for one microbatch, traced (not compiled) under the activation constraints, and
     read for residuals, FLOPs, matmul bytes, the collectives of split dims and how each parameter is used.
 
     After construction: `flops` and `matmul_bytes` (per device per step, remat recompute included) and `used`
-    (param index -> the axes splitting the rows of the activations it meets)."""
+    (param index -> the axes splitting the rows of the activations it meets). `tiled`: memory is counted as XLA:TPU
+    stores arrays."""
 
-    def __init__(self, plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int):
+    def __init__(self, plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, tiled: bool = False):
         self.plan, self.accum = plan, accum
-        self.shares = _shares(plan, shapes, accum)
+        self.shares = dataclasses.replace(_shares(plan, shapes, accum), tiled=tiled)
         self.param_specs = params_in_use(plan)
+        # Per param: the share of it a device holds over the share it uses (below 1 where FSDP gathers it).
+        leaves = jax.tree.leaves(plan.abstract_state["params"])
+        self._gathered = [
+            math.prod(p.sharding.shard_shape(p.shape)) / math.prod(self.shares.sizes(p.shape, spec))
+            for p, spec in zip(leaves, self.param_specs)
+        ]
         self.loss = lambda p, b: plan.model.loss_fn(p, b)[0]
         probe = self.shares.probe
         self.args = (
@@ -84,14 +105,24 @@ class StepTrace:
         return flops * self.accum
 
     def _residual_bytes(self, fn: Any, args: Sequence[Any], param_specs: Sequence[Spec] = ()) -> float:
-        """Per-device bytes of what `jax.vjp(fn, *args)` keeps for the backward pass, not counting its inputs."""
+        """Per-device bytes of what `jax.vjp(fn, *args)` keeps for the backward pass that a compiler holds
+        (`jaxtrain.planner.residuals`), not counting its inputs."""
         closed = self._trace(lambda *a: jax.vjp(fn, *a)[1], args)
         flow = Flow(self.shares, closed.jaxpr, param_specs)
         for _ in walk(closed.jaxpr, flow=flow):
             pass
         inputs = set(closed.jaxpr.invars)
-        kept = {v for v in closed.jaxpr.outvars if not isinstance(v, Literal) and v not in inputs}
-        return sum(self.shares.bytes(v.aval, flow.of(v)) for v in kept)
+        kept = dict.fromkeys(v for v in closed.jaxpr.outvars if not isinstance(v, Literal) and v not in inputs)
+        held = held_residuals(closed.jaxpr, kept, flow)
+        return sum(self.shares.held(v.aval, flow.of(v)) * (1.0 if p is None else self._gathered[p]) for v, p in held)
+
+    def weight_uses(self) -> tuple[dict[int, set[str]], dict[int, int], dict[int, tuple[float, float]]]:
+        """What `jaxtrain.planner.weights.weight_transfers` needs of the step: per param, the axes splitting the
+        rows it meets and the dtype it is used in; per table, the bytes of the rows looked up and of their
+        gradients (per microbatch)."""
+        leaves = jax.tree.leaves(self.plan.abstract_state["params"])
+        tables = {i: (t.rows, t.cotangent_bytes(np.dtype(leaves[i].dtype).itemsize)) for i, t in self.tables.items()}
+        return self.used, self.use_itemsize, tables
 
     def transfers(self) -> list[Transfer]:
         """The collectives the traced step implies, per step (every microbatch's)."""
@@ -107,11 +138,16 @@ class StepTrace:
         self.flops = self.matmul_bytes = 0.0
         self._transfers: list[Transfer] = []
         self.used: dict[int, set[str]] = collections.defaultdict(set)  # param -> axes splitting its inputs' rows
+        self.use_itemsize: dict[int, int] = {}  # param -> bytes per element where it is used (after any cast)
+        self.tables: dict[int, Lookup] = {}  # param -> the rows looked up in it
+        self._looked_up: dict[Any, int] = {}  # a lookup's result -> the table
+        self._returned_as: dict[Any, Any] = {}  # a call's result inside it -> outside
         lookups: dict[Any, tuple[tuple[str, ...], float]] = {}  # a lookup's rows -> (axes to sum over, bytes)
         for eqn, trips in walk(jaxpr, flow=flow):
             if not eqn.outvars:
                 continue
             self._note_uses(eqn, flow)
+            self._note_lookups(eqn, trips, flow)
             if _is_matmul(eqn):
                 self.flops += trips * _flops(eqn, shares, flow)
                 operands = [*((v.aval, flow.of(v)) for v in eqn.invars), (eqn.outvars[0].aval, flow.of(eqn.outvars[0]))]
@@ -151,10 +187,16 @@ class StepTrace:
         return []
 
     def _note_uses(self, eqn: Any, flow: Flow) -> None:
-        """Record, for each parameter `eqn` takes, the axes splitting the batch dims of its other operands."""
-        params = {flow.param[v] for v in eqn.invars if not isinstance(v, Literal) and v in flow.param}
+        """Record, for each parameter `eqn` takes, the axes splitting the batch dims of its other operands, and the
+        widest dtype it is used in (a weight cast to the compute dtype is used in that dtype)."""
+        taken = [v for v in eqn.invars if not isinstance(v, Literal) and v in flow.param]
+        params = {flow.param[v] for v in taken}
         if not params:
             return
+        if eqn.primitive.name not in Flow.VIEWS and not any(jaxprs_in_params(eqn.params)):  # loops: their bodies
+            for v in taken:
+                itemsize = np.dtype(v.aval.dtype).itemsize
+                self.use_itemsize[flow.param[v]] = max(itemsize, self.use_itemsize.get(flow.param[v], 0))
         axes: set[str] = set()
         for v in [*eqn.invars, *eqn.outvars]:
             shape = getattr(v.aval, "shape", ())
@@ -165,6 +207,27 @@ class StepTrace:
         for p in params:
             if axes:
                 self.used[p].update(axes)
+
+    def _note_lookups(self, eqn: Any, trips: int, flow: Flow) -> None:
+        """Record the rows each lookup into a parameter (a gather from a table) finds, and the dtype they are cast to
+        after it (that of their gradient)."""
+        subs = list(jaxprs_in_params(eqn.params))
+        if len(subs) == 1 and len(subs[0].outvars) == len(eqn.outvars):  # a call: its results leave it as these
+            self._returned_as.update((i, o) for i, o in zip(subs[0].outvars, eqn.outvars) if not isinstance(i, Literal))
+        src = eqn.invars[0] if eqn.invars else None
+        if isinstance(src, Literal):
+            return
+        if eqn.primitive.name == "gather" and src in flow.param:
+            out = eqn.outvars[0]
+            table = self.tables.setdefault(flow.param[src], Lookup())
+            table.rows += trips * self.shares.bytes(out.aval, flow.of(out))
+            table.cotangent_itemsize = np.dtype(out.aval.dtype).itemsize
+            while out is not None:
+                self._looked_up[out] = flow.param[src]
+                out = self._returned_as.get(out)
+        elif eqn.primitive.name == "convert_element_type" and src in self._looked_up:
+            param = self._looked_up[src]
+            self.tables[param].cotangent_itemsize = np.dtype(eqn.outvars[0].aval.dtype).itemsize
 
     def _lookup_axes(self, eqn: Any, param: int) -> tuple[str, ...]:
         """Axes splitting the dims a gather indexes in parameter `param`: each device looks up its own rows."""

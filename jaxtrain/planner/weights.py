@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 
 from jaxtrain.analysis.comm_report import SEND_SHARE
 from jaxtrain.analysis.memory import device_bytes
@@ -58,23 +59,55 @@ def _weight_axes(plan: Plan, used: Mapping[int, set[str]]) -> list[tuple[tuple[s
     return out
 
 
-def weight_transfers(plan: Plan, accum: int, used: Mapping[int, set[str]]) -> list[Transfer]:
-    """FSDP gathers (every microbatch) and the gradient reduction over the batch axes (once per step); `used`: per
-    param, the axes splitting the rows of the activations it meets (`StepTrace.used`)."""
+def weight_transfers(
+    plan: Plan,
+    accum: int,
+    used: Mapping[int, set[str]],
+    use_itemsize: Mapping[int, int],
+    tables: Mapping[int, tuple[float, float]],
+) -> list[Transfer]:
+    """FSDP gathers (every microbatch) and the gradient reduction over the batch axes (once per step), in the dtype
+    each param is used in (`use_itemsize`, per param: TPU and GPU compilers cast a weight to the compute dtype
+    before gathering it and reduce its gradient in that dtype; XLA:CPU, the `cpu` of each transfer, casts after).
+    A table whose lookups are split over axes that split its other dims (an embedding's `embed` over `fsdp`) is not
+    gathered: each device looks up all the group's rows in its columns and an all-to-all hands them to their rows'
+    devices, and their gradients back; no gradient is reduced over those axes (`tables`, per table: bytes of the
+    rows one device looks up per microbatch and of their gradients). `used`: per param, the axes splitting the rows
+    of the activations it meets (`StepTrace.used`)."""
     mesh, out = plan.mesh, []
     names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
     params = jax.tree.leaves(plan.abstract_state["params"])
-    for ns, p, (gathered, reduced) in zip(names, params, _weight_axes(plan, used)):
-        shard = device_bytes(p)
-        if gathered:
+    for i, (ns, p, (gathered, reduced)) in enumerate(zip(names, params, _weight_axes(plan, used))):
+        itemsize = np.dtype(p.dtype).itemsize
+        shard, cast = device_bytes(p), use_itemsize.get(i, itemsize) / itemsize
+        if gathered and i in tables:
+            out += _exchanged_rows(gathered, tables[i], accum, mesh.shape)
+        elif gathered:
             n = math.prod(mesh.shape[a] for a in gathered)
             passes = 2 if is_layer_stack(ns) else 1  # forward, and again in the backward pass
-            out.append(Transfer(gathered, "all-gather", passes * accum * (n - 1) * shard, "weights (FSDP)"))
-            out.append(Transfer(gathered, "reduce-scatter", (n - 1) * shard, "gradients"))
+            sent = passes * accum * (n - 1) * shard
+            out.append(Transfer(gathered, "all-gather", cast * sent, "weights (FSDP)", ("all-gather", sent)))
+            sent = (n - 1) * shard
+            out.append(Transfer(gathered, "reduce-scatter", cast * sent, "gradients", ("all-reduce", 2 * sent)))
         if reduced:
             n = math.prod(mesh.shape[a] for a in reduced)
-            out.append(Transfer(reduced, "all-reduce", SEND_SHARE["all-reduce"](n) * shard, "gradients"))
+            sent = SEND_SHARE["all-reduce"](n) * shard
+            out.append(Transfer(reduced, "all-reduce", cast * sent, "gradients", ("all-reduce", sent)))
     return out
+
+
+def _exchanged_rows(
+    axes: tuple[str, ...], rows: tuple[float, float], accum: int, mesh_shape: Mapping[str, int]
+) -> list[Transfer]:
+    """A table split over `axes` along dims its lookups do not index: the rows each device finds in its share of
+    the table go to their rows' devices by all-to-all, and their gradients come back the same way; `rows`: bytes
+    of the rows one device looks up per microbatch and of their gradients."""
+    share = SEND_SHARE["all-to-all"](math.prod(mesh_shape[a] for a in axes)) * accum
+    found, gradients = rows
+    return [
+        Transfer(axes, "all-to-all", share * found, "looked-up rows (split table)"),
+        Transfer(axes, "all-to-all", share * gradients, "looked-up rows' gradients"),
+    ]
 
 
 def gathered_layer_bytes(plan: Plan, used: Mapping[int, set[str]]) -> float:

@@ -35,11 +35,20 @@ import numpy as np
 from jaxtrain.analysis.chips import Chip
 from jaxtrain.data.datasets import make_dataset, model_data_args
 from jaxtrain.errors import UserInputError
+from jaxtrain.parallel.pipeline import PipelineError, StageLayout
 from jaxtrain.parallel.updates import UpdatePolicy
+from jaxtrain.planner.stages import (
+    Stages,
+    pipeline_microbatches,
+    pipelined_memory,
+    pipelined_work,
+    plan_stages,
+    stage_transfers,
+)
 from jaxtrain.planner.tiling import held_bytes
 from jaxtrain.planner.tracing import StepTrace
 from jaxtrain.planner.transfers import Transfer, merge_transfers
-from jaxtrain.planner.weights import gathered_layer_bytes, weight_transfers
+from jaxtrain.planner.weights import Runs, gathered_layer_bytes, weight_transfers
 from jaxtrain.registry import resolve_model
 from jaxtrain.run_config import RunConfig, apply_overrides
 from jaxtrain.sharding.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
@@ -94,6 +103,7 @@ class Estimate:
     hbm_bytes: float
     model_flops_traced: bool = False  # the config has no `train_flops`: model_flops is 3 x the traced forward pass
     compiler: str = "tpu"  # whose habits the memory and collectives follow (`COMPILERS`)
+    stages: Stages | None = None  # the pipeline's schedule and stage layout, where the mesh has a pipeline axis
 
     @property
     def devices(self) -> int:
@@ -159,11 +169,17 @@ def estimate(
     plan = _abstract_plan(cfg, layout, devices)
     shapes = _batch_shapes(cfg, task)
     batch = plan.abstract_batch(shapes, accum)  # checks the batch divides
-    tiled = compiler == "tpu"
-    step = StepTrace(plan, shapes, accum, tiled)
-    memory = _memory(plan, batch, step, accum, tiled)
+    micro = pipeline_microbatches(cfg, plan.mesh.shape["pipeline"])
+    _check_microbatches(shapes, accum, micro)
+    step = StepTrace(plan, shapes, accum * micro, tiled=compiler == "tpu")
+    stages = plan_stages(cfg, step) if plan.mesh.shape["pipeline"] > 1 else None
+    if stages is not None:
+        plan = _abstract_plan(cfg, layout, devices, stages.layout)  # the params as the stages store them
+        work = _pipelined(plan, step, stages, accum, compiler)
+    else:
+        work = _unpipelined(plan, step, accum)
+    memory = _memory(plan, batch, step, work, accum)
     model_flops, traced = _model_flops(cfg, task, step, devices)
-    transfers = [*weight_transfers(plan, accum, *step.weight_uses()), *step.transfers()]
     return Estimate(
         cfg,
         layout,
@@ -171,17 +187,57 @@ def estimate(
         frozenset(a for a in MESH_AXES if dcn[a] > 1),
         chip,
         memory,
-        merge_transfers([t.on_cpu() for t in transfers] if compiler == "cpu" else transfers),
-        flops=step.flops,
+        merge_transfers([t.on_cpu() for t in work.transfers] if compiler == "cpu" else work.transfers),
+        flops=work.flops,
         model_flops=model_flops,
-        hbm_bytes=step.matmul_bytes + 2 * (memory.params + memory.opt_state) + 2 * memory.grads,
+        hbm_bytes=work.matmul_bytes + 2 * (memory.params + memory.opt_state) + 2 * memory.grads,
         model_flops_traced=traced,
         compiler=compiler,
+        stages=stages,
     )
 
 
-def _abstract_plan(cfg: RunConfig, layout: MeshLayout, devices: int) -> Plan:
-    """The run's plan on an abstract mesh of `devices`: the same shardings a real run gets, nothing allocated."""
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """What the step costs one device, however its microbatches run: FLOPs and matmul bytes, collectives, the
+    activations kept for the backward pass and the working set besides them."""
+
+    flops: float
+    matmul_bytes: float
+    transfers: list[Transfer]
+    activations: float
+    working: float
+
+
+def _unpipelined(plan: Plan, step: StepTrace, accum: int) -> _Work:
+    """The traced microbatch `accum` times over, its weights travelling as `Runs.unpipelined` says."""
+    tally = (step.gradient["layers"] + step.gradient["rest"]) * accum
+    weights = weight_transfers(plan, Runs.unpipelined(accum), *step.weight_uses())
+    return _Work(
+        tally.flops, tally.matmul_bytes, [*weights, *tally.transfers], step.saved_bytes(), step.working_bytes()
+    )
+
+
+def _pipelined(plan: Plan, step: StepTrace, stages: Stages, accum: int, compiler: str) -> _Work:
+    """The traced pipeline microbatch through the schedule's ticks (`jaxtrain.planner.stages`), `accum` times."""
+    tally = pipelined_work(step, stages) * accum
+    weights = weight_transfers(plan, stages.weight_runs(accum), *step.weight_uses())
+    transfers = [*weights, *tally.transfers, *stage_transfers(step, plan, stages, accum)]
+    return _Work(tally.flops, tally.matmul_bytes, transfers, *pipelined_memory(step, stages, compiler))
+
+
+def _check_microbatches(shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, micro: int) -> None:
+    rows = next(iter(shapes.values())).shape[0]
+    if micro > 1 and rows % (accum * micro):
+        raise PipelineError(
+            f"a batch of {rows} rows does not split into {accum} accumulation pieces of {micro} pipeline "
+            "microbatches; use a batch size divisible by train.microbatches (times train.grad_accum)."
+        )
+
+
+def _abstract_plan(cfg: RunConfig, layout: MeshLayout, devices: int, stages: StageLayout | None = None) -> Plan:
+    """The run's plan on an abstract mesh of `devices`: the same shardings a real run gets, nothing allocated;
+    `stages`: the pipeline's stage layout (how the stacked layers are stored)."""
     mesh = abstract_mesh(layout, devices)
     spec, _ = resolve_model(cfg.model_name)
     rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
@@ -189,7 +245,7 @@ def _abstract_plan(cfg: RunConfig, layout: MeshLayout, devices: int) -> Plan:
     optimizer, _ = make_optimizer(cfg.optimizer, cfg.train.steps)
     t = cfg.train
     policy = UpdatePolicy(t.sync, t.sync_every, t.staleness, t.outer_lr, t.outer_momentum)
-    return make_plan(mesh, rules, model, optimizer, None, policy)
+    return make_plan(mesh, rules, model, optimizer, stages, policy)
 
 
 def _batch_shapes(cfg: RunConfig, task: str) -> dict[str, jax.ShapeDtypeStruct]:
@@ -205,8 +261,8 @@ def platform_of(chip: Chip) -> str:
     return "tpu" if chip.device_kinds[0].startswith("TPU") else "gpu"
 
 
-def _memory(plan: Plan, batch: object, step: StepTrace, accum: int, tiled: bool) -> Memory:
-    state = plan.abstract_state
+def _memory(plan: Plan, batch: object, step: StepTrace, work: _Work, accum: int) -> Memory:
+    state, tiled = plan.abstract_state, step.shares.tiled
     other = {k: v for k, v in state.items() if k not in ("params", "opt_state")}
     params = _held(state["params"], tiled)
     return Memory(
@@ -215,8 +271,8 @@ def _memory(plan: Plan, batch: object, step: StepTrace, accum: int, tiled: bool)
         other_state=_held(other, tiled),
         batch=_held(batch, tiled),
         grads=params * (2 if accum > 1 else 1),
-        activations=step.saved_bytes(),
-        working=step.working_bytes() + gathered_layer_bytes(plan, step.used),
+        activations=work.activations,
+        working=work.working + gathered_layer_bytes(plan, step.used),
     )
 
 
@@ -233,7 +289,7 @@ def _model_flops(cfg: RunConfig, task: str, step: StepTrace, devices: int) -> tu
     fallback), the trace counts every trip of a scanned layer stack."""
     train_flops = getattr(cfg.model, "train_flops", None)
     if train_flops is None:
-        return 3 * step.forward_flops(), True
+        return 3 * step.forward_flops() / step.plan.mesh.shape["pipeline"], True  # stages share the layers
     seq_len = cfg.data.seq_len if task == "lm" else 1
     return train_flops(cfg.data.batch_size, seq_len) / devices, False
 

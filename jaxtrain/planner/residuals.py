@@ -66,10 +66,10 @@ class _Scope:
         return out
 
 
-def held_residuals(jaxpr: Jaxpr, residuals: Iterable[Any], flow: Flow) -> list[tuple[Any, int | None]]:
+def held_residuals(jaxpr: Jaxpr, residuals: Iterable[Any], flow: Flow) -> list[tuple[Any, int | None, bool]]:
     """The residuals of `jaxpr` (a vjp's forward pass, whose outputs they are) a compiler holds, one per buffer,
-    each with the index of the parameter it is a cast of (held as this device's shard), or None; `flow` has walked
-    `jaxpr` (it knows which values are parameters)."""
+    each with the index of the parameter it is a cast of (held as this device's shard) or None, and whether a loop
+    stacks it; `flow` has walked `jaxpr` (it knows which values are parameters)."""
     scopes: dict[int, _Scope] = {}
     found = {v: _defining_scope(jaxpr, v, scopes) for v in residuals}  # residual -> (scope, buffer, in a loop)
     stored = {(id(scope), inner) for scope, inner, _ in found.values()}
@@ -80,9 +80,9 @@ def held_residuals(jaxpr: Jaxpr, residuals: Iterable[Any], flow: Flow) -> list[t
             continue
         seen.add(key)
         if looped:
-            held.append((v, flow.param.get(inner)))
+            held.append((v, flow.param.get(inner), True))
         elif not _recomputed(scope, inner, flow, stored):
-            held.append((v, None))
+            held.append((v, None, False))
     return held
 
 

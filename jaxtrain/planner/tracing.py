@@ -29,7 +29,7 @@ from jaxtrain.planner.transfers import Transfer
 from jaxtrain.planner.weights import params_in_use
 from jaxtrain.sharding.constraints import activation_sharding
 from jaxtrain.sharding.mesh import MESH_AXES
-from jaxtrain.sharding.rules import is_logical_names
+from jaxtrain.sharding.rules import is_layer_stack, is_logical_names
 from jaxtrain.training.plan import Plan
 
 # Ops that combine values along a dim: when that dim is split over a mesh axis the result is a partial sum there.
@@ -50,13 +50,31 @@ class Lookup:
         return self.rows * self.cotangent_itemsize / table_itemsize
 
 
+@dataclasses.dataclass
+class Tally:
+    """Per-device work of one part of a traced step (the layer stack, or the rest), for one microbatch: FLOPs and
+    bytes of its matmuls and convolutions, and the collectives its activations imply."""
+
+    flops: float = 0.0
+    matmul_bytes: float = 0.0
+    transfers: list[Transfer] = dataclasses.field(default_factory=list)
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(self.flops + other.flops, self.matmul_bytes + other.matmul_bytes, self.transfers + other.transfers)
+
+    def __mul__(self, times: float) -> Tally:
+        scaled = [dataclasses.replace(t, bytes=t.bytes * times) for t in self.transfers]
+        return Tally(self.flops * times, self.matmul_bytes * times, scaled)
+
+
 class StepTrace:
     """The loss and its gradient for one microbatch, traced (not compiled) under the activation constraints, and
     read for residuals, FLOPs, matmul bytes, the collectives of split dims and how each parameter is used.
 
-    After construction: `flops` and `matmul_bytes` (per device per step, remat recompute included) and `used`
-    (param index -> the axes splitting the rows of the activations it meets). `tiled`: memory is counted as XLA:TPU
-    stores arrays."""
+    After construction: `flops` and `matmul_bytes` (per device per step, remat recompute included), `used` (param
+    index -> the axes splitting the rows of the activations it meets), and per part of the step ("layers": inside
+    the scanned layer stack, "rest": the embedding, head and loss) the `gradient`'s and the `forward` pass's
+    `Tally` for one microbatch. `tiled`: memory is counted as XLA:TPU stores arrays."""
 
     def __init__(self, plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, tiled: bool = False):
         self.plan, self.accum = plan, accum
@@ -74,8 +92,12 @@ class StepTrace:
             plan.model.abstract_params,
             {k: jax.ShapeDtypeStruct((probe, *s.shape[1:]), s.dtype) for k, s in shapes.items()},
         )
+        self.layers = _stacked_layers(plan)
         self.loss_jaxpr = self._trace(self.loss).jaxpr
-        self._read_grad(self._trace(jax.value_and_grad(self.loss)).jaxpr)
+        self._note_params(grad_jaxpr := self._trace(jax.value_and_grad(self.loss)).jaxpr)
+        self.gradient, self.forward = self._read(grad_jaxpr), self._read(self.loss_jaxpr)
+        total = (self.gradient["layers"] + self.gradient["rest"]) * accum
+        self.flops, self.matmul_bytes = total.flops, total.matmul_bytes
 
     def _trace(self, fn: Any, args: Sequence[Any] | None = None) -> ClosedJaxpr:
         with activation_sharding(self.plan.mesh, self.plan.rules):
@@ -83,6 +105,10 @@ class StepTrace:
 
     def saved_bytes(self) -> float:
         """Residuals of the loss for one microbatch: what its forward pass keeps for the backward pass."""
+        return sum(self.saved_split())
+
+    def saved_split(self) -> tuple[float, float]:
+        """`saved_bytes` of the layer stack's loop, and of the rest."""
         return self._residual_bytes(self.loss, self.args, self.param_specs)
 
     def working_bytes(self) -> float:
@@ -93,28 +119,28 @@ class StepTrace:
             if (eqn.primitive.name == "scan" or eqn.primitive.name in _REMAT) and not body_of(eqn).constvars:
                 body = body_of(eqn)
                 args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
-                sizes.append(self._residual_bytes(jaxpr_as_fun(ClosedJaxpr(body, [])), args))
+                sizes.append(sum(self._residual_bytes(jaxpr_as_fun(ClosedJaxpr(body, [])), args)))
         return max(sizes)
 
     def forward_flops(self) -> float:
         """Per-device FLOPs of the forward pass's matmuls and convolutions per step (all microbatches)."""
-        flow = Flow(self.shares, self.loss_jaxpr, self.param_specs)
-        flops = sum(
-            trips * _flops(eqn, self.shares, flow) for eqn, trips in walk(self.loss_jaxpr, flow=flow) if _is_matmul(eqn)
-        )
-        return flops * self.accum
+        return (self.forward["layers"].flops + self.forward["rest"].flops) * self.accum
 
-    def _residual_bytes(self, fn: Any, args: Sequence[Any], param_specs: Sequence[Spec] = ()) -> float:
+    def _residual_bytes(self, fn: Any, args: Sequence[Any], param_specs: Sequence[Spec] = ()) -> tuple[float, float]:
         """Per-device bytes of what `jax.vjp(fn, *args)` keeps for the backward pass that a compiler holds
-        (`jaxtrain.planner.residuals`), not counting its inputs."""
+        (`jaxtrain.planner.residuals`), not counting its inputs: those a loop stacks, and the others."""
         closed = self._trace(lambda *a: jax.vjp(fn, *a)[1], args)
         flow = Flow(self.shares, closed.jaxpr, param_specs)
         for _ in walk(closed.jaxpr, flow=flow):
             pass
         inputs = set(closed.jaxpr.invars)
         kept = dict.fromkeys(v for v in closed.jaxpr.outvars if not isinstance(v, Literal) and v not in inputs)
-        held = held_residuals(closed.jaxpr, kept, flow)
-        return sum(self.shares.held(v.aval, flow.of(v)) * (1.0 if p is None else self._gathered[p]) for v, p in held)
+        split = [0.0, 0.0]
+        for v, param, looped in held_residuals(closed.jaxpr, kept, flow):
+            split[not looped] += self.shares.held(v.aval, flow.of(v)) * (
+                1.0 if param is None else self._gathered[param]
+            )
+        return split[0], split[1]
 
     def weight_uses(self) -> tuple[dict[int, set[str]], dict[int, int], dict[int, tuple[float, float]]]:
         """What `jaxtrain.planner.weights.weight_transfers` needs of the step: per param, the axes splitting the
@@ -125,38 +151,60 @@ class StepTrace:
         return self.used, self.use_itemsize, tables
 
     def transfers(self) -> list[Transfer]:
-        """The collectives the traced step implies, per step (every microbatch's)."""
-        out = [dataclasses.replace(t, bytes=t.bytes * self.accum) for t in self._transfers]
-        if self.shares.mesh_shape.get("pipeline", 1) > 1:
-            out.append(Transfer(("pipeline",), "collective-permute", 2 * self._stage_io(), "stage activations"))
-        return out
+        """The collectives the traced step's activations imply, per step (every microbatch's)."""
+        return ((self.gradient["layers"] + self.gradient["rest"]) * self.accum).transfers
 
-    def _read_grad(self, jaxpr: Jaxpr) -> None:
-        """FLOPs and bytes of every matmul and convolution; collectives of contractions over split dims, of
-        resharded activations and of lookups into split tables; the batch axes each parameter is used over."""
-        shares, flow = self.shares, Flow(self.shares, jaxpr, self.param_specs)
-        self.flops = self.matmul_bytes = 0.0
-        self._transfers: list[Transfer] = []
+    def stage_io(self) -> float:
+        """Bytes of the carry of the layer stack's loop for one microbatch: what crosses a pipeline stage boundary."""
+        return sum(self.shares.bytes(v.aval) for v in self._stage_carry())
+
+    def stage_io_held(self) -> float:
+        """`stage_io` as it is held in memory."""
+        return sum(self.shares.held(v.aval) for v in self._stage_carry())
+
+    def stage_io_itemsize(self) -> int:
+        """Bytes per element of what crosses a stage boundary (the compute dtype)."""
+        return max((np.dtype(v.aval.dtype).itemsize for v in self._stage_carry()), default=4)
+
+    def _stage_carry(self) -> tuple:
+        scans = [eqn for eqn, _ in walk(self.loss_jaxpr) if self._is_layer_stack(eqn)]
+        return scan_parts(scans[0]).carry if scans else ()
+
+    def _is_layer_stack(self, eqn: Any) -> bool:
+        return eqn.primitive.name == "scan" and scan_parts(eqn).length == self.layers
+
+    def _note_params(self, jaxpr: Jaxpr) -> None:
+        """The batch axes each parameter is used over, the dtype it is used in, and the rows looked up in tables."""
+        flow = Flow(self.shares, jaxpr, self.param_specs)
         self.used: dict[int, set[str]] = collections.defaultdict(set)  # param -> axes splitting its inputs' rows
         self.use_itemsize: dict[int, int] = {}  # param -> bytes per element where it is used (after any cast)
         self.tables: dict[int, Lookup] = {}  # param -> the rows looked up in it
         self._looked_up: dict[Any, int] = {}  # a lookup's result -> the table
         self._returned_as: dict[Any, Any] = {}  # a call's result inside it -> outside
+        for eqn, trips in walk(jaxpr, flow=flow):
+            if eqn.outvars:
+                self._note_uses(eqn, flow)
+                self._note_lookups(eqn, trips, flow)
+
+    def _read(self, jaxpr: Jaxpr) -> dict[str, Tally]:
+        """FLOPs and bytes of every matmul and convolution, and the collectives of contractions over split dims,
+        of resharded activations and of lookups into split tables, of the layer stack and of the rest."""
+        shares, flow = self.shares, Flow(self.shares, jaxpr, self.param_specs)
+        inside = {id(e) for eqn, _ in walk(jaxpr) if self._is_layer_stack(eqn) for e, _ in walk(body_of(eqn))}
+        parts = {"layers": Tally(), "rest": Tally()}
         lookups: dict[Any, tuple[tuple[str, ...], float]] = {}  # a lookup's rows -> (axes to sum over, bytes)
         for eqn, trips in walk(jaxpr, flow=flow):
             if not eqn.outvars:
                 continue
-            self._note_uses(eqn, flow)
-            self._note_lookups(eqn, trips, flow)
+            part = parts["layers" if id(eqn) in inside else "rest"]
             if _is_matmul(eqn):
-                self.flops += trips * _flops(eqn, shares, flow)
+                part.flops += trips * _flops(eqn, shares, flow)
                 operands = [*((v.aval, flow.of(v)) for v in eqn.invars), (eqn.outvars[0].aval, flow.of(eqn.outvars[0]))]
-                self.matmul_bytes += trips * sum(shares.bytes(*a) for a in operands)
-            self._transfers += self._collectives(eqn, trips, flow, lookups)
+                part.matmul_bytes += trips * sum(shares.bytes(*a) for a in operands)
+            part.transfers += self._collectives(eqn, trips, flow, lookups)
         for axes, b in lookups.values():  # rows looked up and never laid out again: summed where they are
-            self._transfers.extend(_lookup_sums(axes, b, None, shares.mesh_shape))
-        self.flops *= self.accum
-        self.matmul_bytes *= self.accum
+            parts["rest"].transfers += _lookup_sums(axes, b, None, shares.mesh_shape)
+        return parts
 
     def _collectives(self, eqn: Any, trips: int, flow: Flow, lookups: dict) -> list[Transfer]:
         """What `eqn` sends: a lookup into a split table is noted in `lookups` until its rows are laid out again (a
@@ -237,14 +285,6 @@ class StepTrace:
         axes = {a for d in indexed for a in spec[d] if a != "pipeline"}
         return tuple(a for a in MESH_AXES if a in axes and self.shares.mesh_shape[a] > 1)
 
-    def _stage_io(self) -> float:
-        """Bytes of the carry of the longest loop (the layer stack): what crosses a pipeline stage boundary."""
-        scans = [eqn for eqn, _ in walk(self.loss_jaxpr) if eqn.primitive.name == "scan"]
-        if not scans:
-            return 0.0
-        carry = max((scan_parts(eqn) for eqn in scans), key=lambda parts: parts.length).carry
-        return sum(self.shares.bytes(v.aval) for v in carry)
-
 
 def _shares(plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int) -> Shares:
     """How to read per-device shares of the step traced for `shapes` (one microbatch of `accum`) on `plan`'s mesh:
@@ -255,13 +295,21 @@ def _shares(plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int) 
     dims = _logical_sizes(plan)
     batch = next(iter(shapes.values())).shape[0] // accum
     probe = _prime_above(max([batch, *dims.values(), *(d for s in shapes.values() for d in s.shape)])) * mesh.size
-    table = {**plan.rules.activations, "layers": plan.rules.params.get("layers", ())}
+    # The pipeline axis splits no traced dim: the trace is the whole model on one microbatch, and
+    # `jaxtrain.planner.stages` takes the share of its layer stack one stage runs.
     split = {
-        axis: frozenset(size for name, size in dims.items() if axis in table.get(name, ()))
+        axis: frozenset(size for name, size in dims.items() if axis in plan.rules.activations.get(name, ()))
         for axis in mesh.axis_names
-        if mesh.shape[axis] > 1 and axis not in batch_axes
+        if mesh.shape[axis] > 1 and axis not in batch_axes and axis != "pipeline"
     }
     return Shares(probe, batch, batch_axes, split, dict(mesh.shape))
+
+
+def _stacked_layers(plan: Plan) -> int | None:
+    """The length of the model's stacked `layers` dim (that of its layer stack's loop), or None."""
+    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    params = jax.tree.leaves(plan.model.abstract_params)
+    return next((p.shape[0] for ns, p in zip(names, params) if is_layer_stack(ns)), None)
 
 
 def _is_matmul(eqn: Any) -> bool:

@@ -10,8 +10,9 @@ activation rule of its name splits that axis too: expert weights are used where 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import jax
 import numpy as np
@@ -59,16 +60,36 @@ def _weight_axes(plan: Plan, used: Mapping[int, set[str]]) -> list[tuple[tuple[s
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """How often per step the weights travel, in multiples of one device's shard: FSDP gathers of the stacked
+    layers and of the other params, reductions of their gradients, lookups into split tables (in multiples of one
+    traced microbatch's rows) and reductions of the tables' gradients."""
+
+    layer_gathers: float
+    layer_reductions: float
+    other_gathers: float
+    other_reductions: float
+    table_lookups: float
+    table_reductions: float
+
+    @classmethod
+    def unpipelined(cls, accum: int) -> Runs:
+        """Gathers every microbatch (the stacked layers' again in the backward pass, as XLA re-gathers each
+        layer), gradients reduced once per step."""
+        return cls(2 * accum, 1, accum, 1, accum, 1)
+
+
 def weight_transfers(
     plan: Plan,
-    accum: int,
+    runs: Runs,
     used: Mapping[int, set[str]],
     use_itemsize: Mapping[int, int],
     tables: Mapping[int, tuple[float, float]],
 ) -> list[Transfer]:
-    """FSDP gathers (every microbatch) and the gradient reduction over the batch axes (once per step), in the dtype
-    each param is used in (`use_itemsize`, per param: TPU and GPU compilers cast a weight to the compute dtype
-    before gathering it and reduce its gradient in that dtype; XLA:CPU, the `cpu` of each transfer, casts after).
+    """FSDP gathers and the gradient reductions over the batch axes, as often as `runs` says, in the dtype each
+    param is used in (`use_itemsize`, per param: TPU and GPU compilers cast a weight to the compute dtype before
+    gathering it and reduce its gradient in that dtype; XLA:CPU, the `cpu` of each transfer, casts after).
     A table whose lookups are split over axes that split its other dims (an embedding's `embed` over `fsdp`) is not
     gathered: each device looks up all the group's rows in its columns and an all-to-all hands them to their rows'
     devices, and their gradients back; no gradient is reduced over those axes (`tables`, per table: bytes of the
@@ -80,29 +101,39 @@ def weight_transfers(
     for i, (ns, p, (gathered, reduced)) in enumerate(zip(names, params, _weight_axes(plan, used))):
         itemsize = np.dtype(p.dtype).itemsize
         shard, cast = device_bytes(p), use_itemsize.get(i, itemsize) / itemsize
+        stacked = is_layer_stack(ns)
+        gathers = runs.layer_gathers if stacked else runs.other_gathers
+        reductions = (
+            runs.table_reductions if i in tables else runs.layer_reductions if stacked else runs.other_reductions
+        )
         if gathered and i in tables:
-            out += _exchanged_rows(gathered, tables[i], accum, mesh.shape)
+            out += _exchanged_rows(gathered, tables[i], runs.table_lookups, mesh.shape)
         elif gathered:
             n = math.prod(mesh.shape[a] for a in gathered)
-            passes = 2 if is_layer_stack(ns) else 1  # forward, and again in the backward pass
-            sent = passes * accum * (n - 1) * shard
+            sent = gathers * (n - 1) * shard
             out.append(Transfer(gathered, "all-gather", cast * sent, "weights (FSDP)", ("all-gather", sent)))
-            sent = (n - 1) * shard
+            sent = reductions * (n - 1) * shard
             out.append(Transfer(gathered, "reduce-scatter", cast * sent, "gradients", ("all-reduce", 2 * sent)))
         if reduced:
             n = math.prod(mesh.shape[a] for a in reduced)
-            sent = SEND_SHARE["all-reduce"](n) * shard
+            sent = reductions * SEND_SHARE["all-reduce"](n) * shard
             out.append(Transfer(reduced, "all-reduce", cast * sent, "gradients", ("all-reduce", sent)))
     return out
 
 
+def exchanged_tables(plan: Plan, used: Mapping[int, set[str]], tables: Collection[int]) -> list[int]:
+    """The tables (of `tables`, param indices) whose looked-up rows are exchanged by all-to-all (see
+    `weight_transfers`)."""
+    return [i for i, (gathered, _) in enumerate(_weight_axes(plan, used)) if gathered and i in tables]
+
+
 def _exchanged_rows(
-    axes: tuple[str, ...], rows: tuple[float, float], accum: int, mesh_shape: Mapping[str, int]
+    axes: tuple[str, ...], rows: tuple[float, float], lookups: float, mesh_shape: Mapping[str, int]
 ) -> list[Transfer]:
     """A table split over `axes` along dims its lookups do not index: the rows each device finds in its share of
     the table go to their rows' devices by all-to-all, and their gradients come back the same way; `rows`: bytes
-    of the rows one device looks up per microbatch and of their gradients."""
-    share = SEND_SHARE["all-to-all"](math.prod(mesh_shape[a] for a in axes)) * accum
+    of the rows one device looks up per microbatch and of their gradients, `lookups` times per step."""
+    share = SEND_SHARE["all-to-all"](math.prod(mesh_shape[a] for a in axes)) * lookups
     found, gradients = rows
     return [
         Transfer(axes, "all-to-all", share * found, "looked-up rows (split table)"),

@@ -134,8 +134,8 @@ def axes_of_group(mesh: Mesh, group: Sequence[int]) -> tuple[str, ...]:
 def sent_per_device(collective: Collective, devices: int) -> np.ndarray:
     """Bytes each of `devices` (by device index in the program) sends in one execution of `collective`."""
     sent = np.zeros(devices)
-    for source, _ in collective.pairs:
-        sent[source] += collective.bytes
+    for source, target in collective.pairs:
+        sent[source] += collective.bytes if source != target else 0  # a device's copy to itself crosses no link
     for group in collective.groups:
         sent[list(group)] += collective.bytes * SEND_SHARE[collective.kind](len(group))
     return sent
@@ -156,14 +156,21 @@ def communication_report(compiled: jax.stages.Compiled, mesh: Mesh) -> CommRepor
     return CommReport(mesh, tuple(sorted(rows.values(), key=lambda r: (-r.mean, r.axes, r.kind))))
 
 
-def _mesh_positions(compiled: jax.stages.Compiled, mesh: Mesh) -> np.ndarray:
-    """The mesh position (index into `mesh.devices.flat`) of each device index the program's collectives use.
+def program_devices(compiled: jax.stages.Compiled) -> tuple[jax.Device, ...]:
+    """The devices of `compiled` in the order its collectives number them: its device assignment.
 
-    XLA numbers devices by their place in the program's device assignment. jax.jit assigns `mesh.devices.flat` in
-    order when the shardings use `mesh`; a program compiled over another arrangement of the same devices is mapped
-    through the device ids. With several processes each sees only its own devices: then assume jit's order."""
-    program = compiled.runtime_executable().local_devices()
-    if len(program) != mesh.size:
+    jax.jit compiles for one device assignment, which every sharding of the program's inputs and outputs shares (jit
+    refuses shardings that order the same devices differently), so it is read from those. That works alike for CPU,
+    GPU and TPU programs, for compile-only devices (whose executables cannot list their devices) and for the
+    global devices of a multi-process run."""
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    return max((tuple(s._device_assignment) for s in shardings), key=len, default=())
+
+
+def _mesh_positions(compiled: jax.stages.Compiled, mesh: Mesh) -> np.ndarray:
+    """The mesh position (index into `mesh.devices.flat`) of each device index the program's collectives use."""
+    program = program_devices(compiled)
+    if len(program) <= 1:  # nothing says otherwise: jit assigns the mesh's devices in order
         return np.arange(mesh.size)
     position = {d.id: i for i, d in enumerate(mesh.devices.flat)}
     if missing := [d.id for d in program if d.id not in position]:

@@ -44,6 +44,7 @@ class Traffic:
     ops: int
     executions: int
     sent: np.ndarray
+    via: tuple[str, ...] = ()  # how the program does some of them when not as `kind` ops ("windowed einsum")
 
     @property
     def mean(self) -> float:
@@ -71,6 +72,7 @@ class CommReport:
 
     mesh: Mesh
     rows: tuple[Traffic, ...]
+    uncounted: int = 0  # collectives in loops whose trip count the program does not say, counted once
 
     @property
     def per_device(self) -> np.ndarray:
@@ -90,13 +92,18 @@ class CommReport:
             return f"{title}\n  none: the compiled program has no collectives"
         table = [("axes", "collective", "ops", "runs/step", "mean/device", "max/device")]
         table += [
-            (" ".join(r.axes) or "-", r.kind, str(r.ops), str(r.executions), fmt_bytes(r.mean), fmt_bytes(r.max))
+            (" ".join(r.axes) or "-", _kind(r), str(r.ops), str(r.executions), fmt_bytes(r.mean), fmt_bytes(r.max))
             for r in self.rows
         ]
         total = self.per_device
         ops, runs = sum(r.ops for r in self.rows), sum(r.executions for r in self.rows)
         table.append(("total", "", str(ops), str(runs), fmt_bytes(total.mean()), fmt_bytes(total.max())))
         lines = [title, *(line.rstrip() for line in format_table(table))]
+        if self.uncounted:
+            lines.append(
+                f"{self.uncounted} collectives run in loops whose trip count the program does not give: each is "
+                "counted once per step, so these figures are a lower bound"
+            )
         busiest = int(total.argmax())
         if total[busiest] > _UNEVEN * total.mean():
             lines.append(
@@ -118,6 +125,11 @@ class CommReport:
         coords = np.unravel_index(position, self.mesh.devices.shape)
         live = [f"{a}={int(c)}" for a, c, n in zip(self.mesh.axis_names, coords, self.mesh.devices.shape) if n > 1]
         return f"id {self.mesh.devices.flat[position].id} ({' '.join(live)})"
+
+
+def _kind(row: Traffic) -> str:
+    """'all-gather', or 'all-gather (windowed einsum)' when the program does some of them another way."""
+    return f"{row.kind} ({', '.join(row.via)})" if row.via else row.kind
 
 
 def _selects(row: Traffic, axes: Sequence[str] | None, kinds: Sequence[str]) -> bool:
@@ -144,16 +156,19 @@ def sent_per_device(collective: Collective, devices: int) -> np.ndarray:
 def communication_report(compiled: jax.stages.Compiled, mesh: Mesh) -> CommReport:
     """Bytes each device of `mesh` sends per call of `compiled` (a training step), per mesh axes and kind."""
     positions = _mesh_positions(compiled, mesh)
+    found = collectives(compiled.as_text())
     rows: dict[tuple[tuple[str, ...], str], Traffic] = {}
-    for c in collectives(compiled.as_text()):
+    for c in found:
         sent = np.zeros(mesh.size)
         sent[positions] = sent_per_device(c, len(positions)) * c.executions
         groups = c.groups or c.pairs
         axes = set().union(*(axes_of_group(mesh, positions[list(g)]) for g in groups))
         key = (tuple(a for a in mesh.axis_names if a in axes), c.kind)
         row = rows.get(key, Traffic(*key, 0, 0, np.zeros(mesh.size)))
-        rows[key] = Traffic(*key, row.ops + 1, row.executions + c.executions, row.sent + sent)
-    return CommReport(mesh, tuple(sorted(rows.values(), key=lambda r: (-r.mean, r.axes, r.kind))))
+        via = tuple(sorted({*row.via, c.via} - {""}))
+        rows[key] = Traffic(*key, row.ops + 1, row.executions + c.executions, row.sent + sent, via)
+    ordered = tuple(sorted(rows.values(), key=lambda r: (-r.mean, r.axes, r.kind)))
+    return CommReport(mesh, ordered, sum(not c.exact for c in found))
 
 
 def program_devices(compiled: jax.stages.Compiled) -> tuple[jax.Device, ...]:

@@ -86,7 +86,7 @@ class Collective:
     executions: int  # times it runs per call of the program (trip count of enclosing loops)
     computation: str
     op_name: str
-    opcode: str = ""  # the HLO op it was read from, where that is not `kind`: collective-permute, all-reduce
+    via: str = ""  # how the program does it when not as a `kind` op: "windowed einsum", "all-reduce-scatter fusion"
     exact: bool = True  # False when an enclosing loop's trip count could not be read (then counted once)
 
     @property
@@ -476,52 +476,49 @@ def _fused_reduce_scatter(uses: _Uses, computation: str, reduce: Instruction) ->
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective in the optimized HLO module `hlo_text` (from `compiled.as_text()`)."""
-    module = parse_module(hlo_text)
-    runs, uncounted = loop_multiplicity(module)
-    windowed = _windowed_loops(module)
-    fused = _fused_computations(module)
-    uses = _Uses(module)
-    found = []
-    for computation, body in module.computations.items():
-        for instruction in body.values():
-            opcode = instruction.opcode.removesuffix("-start")
-            if opcode not in KINDS:
-                continue
-            kind, shapes = opcode, _result_shapes(uses, computation, instruction)
-            if opcode == "collective-permute":
-                kind = _windowed_kind(module, uses, windowed, computation, instruction) or kind
-            elif opcode == "all-reduce" and computation in fused:
-                if shares := _fused_reduce_scatter(uses, computation, instruction):
-                    kind, shapes = "reduce-scatter", shares
-            found.append(_collective(module, computation, instruction, kind, shapes, runs, uncounted))
-    return found
+    program = _Program(parse_module(hlo_text))
+    return [
+        program.collective(computation, instruction)
+        for computation, body in program.module.computations.items()
+        for instruction in body.values()
+        if instruction.opcode.removesuffix("-start") in KINDS
+    ]
 
 
-def _collective(
-    module: Module,
-    computation: str,
-    instruction: Instruction,
-    kind: str,
-    shapes: tuple,
-    runs: dict[str, int],
-    uncounted: set[str],
-) -> Collective:
-    opcode = instruction.opcode.removesuffix("-start")
-    numbering = (instruction.line, opcode, module.replicas, module.partitions)  # what the op's ids mean
-    pairs = source_target_pairs(instruction.line)
-    groups = () if pairs else _as_devices(replica_groups(instruction.line) or [], *numbering)
-    return Collective(
-        instruction.name,
-        kind,
-        shapes,
-        groups,
-        _as_devices(pairs, *numbering) if pairs else (),
-        runs.get(computation, 1),
-        computation,
-        instruction.op_name,
-        opcode if opcode != kind else "",
-        computation not in uncounted,
-    )
+class _Program:
+    """A module with what reading its collectives needs: loop counts, windowed einsums, fusions, users."""
+
+    def __init__(self, module: Module):
+        self.module = module
+        self.runs, self.uncounted = loop_multiplicity(module)
+        self.windowed = _windowed_loops(module)
+        self.fusions = _fusions(module)
+        self.uses = _Uses(module)
+
+    def collective(self, computation: str, instruction: Instruction) -> Collective:
+        module, opcode = self.module, instruction.opcode.removesuffix("-start")
+        kind, via, shapes = opcode, "", _result_shapes(self.uses, computation, instruction)
+        fusion = self.fusions.get(computation)
+        if opcode == "collective-permute":
+            if replaced := _windowed_kind(module, self.uses, self.windowed, computation, instruction):
+                kind, via = replaced, "windowed einsum"
+        elif opcode == "all-reduce" and fusion is not None:
+            if shares := _fused_reduce_scatter(self.uses, computation, instruction):
+                kind, via, shapes = "reduce-scatter", "all-reduce-scatter fusion", shares
+        numbering = (instruction.line, opcode, module.replicas, module.partitions)  # what the op's ids mean
+        pairs = source_target_pairs(instruction.line)
+        return Collective(
+            name=instruction.name,
+            kind=kind,
+            shapes=shapes,
+            groups=() if pairs else _as_devices(replica_groups(instruction.line) or [], *numbering),
+            pairs=_as_devices(pairs, *numbering) if pairs else (),
+            executions=self.runs.get(computation, 1),
+            computation=computation,
+            op_name=instruction.op_name or (fusion.op_name if fusion is not None else ""),
+            via=via,
+            exact=computation not in self.uncounted,
+        )
 
 
 def _result_shapes(uses: _Uses, computation: str, instruction: Instruction) -> tuple:
@@ -539,9 +536,10 @@ def _result_shapes(uses: _Uses, computation: str, instruction: Instruction) -> t
     return _arrays(_tuple_elements(instruction.type)[1])
 
 
-def _fused_computations(module: Module) -> set[str]:
+def _fusions(module: Module) -> dict[str, Instruction]:
+    """Each fused computation, with the fusion instruction that calls it."""
     return {
-        callee
+        callee: instruction
         for body in module.computations.values()
         for instruction in body.values()
         if instruction.opcode == "fusion"

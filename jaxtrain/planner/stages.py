@@ -118,16 +118,22 @@ def stage_transfers(step: StepTrace, plan: Plan, stages: Stages, accum: int) -> 
     ]
 
 
+# Per compiler, the copies of the tick loop's state (stash and buffers) it holds and the chunk residuals besides them
+# (a tick's fresh ones before they are stashed, those read back for its backward), read off the compiled programs'
+# loops: XLA:CPU updates the stash in place; the GPU compiler holds one chunk's residuals beside it; the TPU compiler
+# copies the loop's state around the tick's branches and holds both.
+_TICK_HOLDS = {"cpu": (1, 0), "gpu": (1, 1), "tpu": (2, 2)}
+
+
 def pipelined_memory(step: StepTrace, stages: Stages, compiler: str) -> tuple[float, float]:
-    """(activations, working set) per device: see the module docstring. TPU and GPU compilers hold a tick's
-    fresh residuals (or those read back for its backward) beside the stash, where XLA:CPU writes them in place."""
+    """(activations, working set) per device as `compiler` holds them: see the module docstring."""
     s, m = stages.schedule, stages.schedule.microbatches
     layers_saved, rest_saved = step.saved_split()
     x = step.stage_io_held()
     kept = x if stages.stash == "inputs" else stages.chunk * layers_saved
     buffers = s.act_slots + 1 + s.grad_slots + 1 + (m + 1) + m
-    beside = 0.0 if compiler == "cpu" else kept
-    return (s.stash_slots + 1) * kept + buffers * x, max(step.working_bytes(), rest_saved) + beside
+    copies, beside = _TICK_HOLDS[compiler]
+    return copies * ((s.stash_slots + 1) * kept + buffers * x), max(step.working_bytes(), rest_saved) + beside * kept
 
 
 def pipeline_microbatches(cfg: RunConfig, stages: int) -> int:

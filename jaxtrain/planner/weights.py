@@ -93,9 +93,9 @@ def weight_transfers(
     A table whose lookups are split over axes that split its other dims (an embedding's `embed` over `fsdp`) is not
     gathered: each device looks up all the group's rows in its columns and an all-to-all hands them to their rows'
     devices, and their gradients back; no gradient is reduced over those axes (`tables`, per table: bytes of the
-    rows one device looks up per microbatch and of their gradients). `used`: per param, the axes splitting the rows
-    of the activations it meets (`StepTrace.used`)."""
-    mesh, out = plan.mesh, []
+    rows one device looks up per microbatch and of their gradients; `exchanged_tables`). `used`: per param, the
+    axes splitting the rows of the activations it meets (`StepTrace.used`)."""
+    mesh, out, exchanged = plan.mesh, [], set(exchanged_tables(plan, used, tables))
     names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
     params = jax.tree.leaves(plan.abstract_state["params"])
     for i, (ns, p, (gathered, reduced)) in enumerate(zip(names, params, _weight_axes(plan, used))):
@@ -106,7 +106,7 @@ def weight_transfers(
         reductions = (
             runs.table_reductions if i in tables else runs.layer_reductions if stacked else runs.other_reductions
         )
-        if gathered and i in tables:
+        if i in exchanged:
             out += _exchanged_rows(gathered, tables[i], runs.table_lookups, mesh.shape)
         elif gathered:
             n = math.prod(mesh.shape[a] for a in gathered)
@@ -122,8 +122,10 @@ def weight_transfers(
 
 
 def exchanged_tables(plan: Plan, used: Mapping[int, set[str]], tables: Collection[int]) -> list[int]:
-    """The tables (of `tables`, param indices) whose looked-up rows are exchanged by all-to-all (see
-    `weight_transfers`)."""
+    """The tables (of `tables`, param indices) whose looked-up rows are exchanged by all-to-all rather than the
+    table gathered (see `weight_transfers`). The compilers do so for tables larger than the rows looked up, as an
+    embedding is; a toy vocabulary smaller than one microbatch's rows is gathered like a weight instead (not
+    modelled)."""
     return [i for i, (gathered, _) in enumerate(_weight_axes(plan, used)) if gathered and i in tables]
 
 

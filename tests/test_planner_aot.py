@@ -1,0 +1,76 @@
+"""The planner held to the TPU and GPU compilers: each model x layout pair is compiled for a TPU v5p topology or an
+8-GPU node (compile-only devices, `aot_target`) and its estimate for that chip must agree with the compiler's own
+figures: arguments within 5%, the peak within 20%, the bytes each device sends per set of mesh axes within 25%.
+scripts/planner_vs_compiler.py prints the same figures as JSON."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import aot_target
+
+from jaxtrain.planner import comm_by_axes, estimate, measure
+from jaxtrain.run_config import apply_overrides, default_config
+
+ARGUMENTS_TOLERANCE, PEAK_TOLERANCE, COMM_TOLERANCE = 0.05, 0.20, 0.25
+# Sets of axes carrying less than this share of a step's traffic are not compared (ids gathered for a lookup).
+COMM_MIN_SHARE = 0.05
+LM = ["batch_size=32", "seq_len=1024"]
+# gpt-tiny made wide enough (d_model 128, 512 tokens) that its activations, not the compiler's fixed buffers, set the
+# peak: at d_model 64 the TPU pads every array to 128 lanes and keeps megabytes of its own.
+CHEAP = ["batch_size=64", "seq_len=512", "d_model=128", "d_ff=512"]
+
+
+def _pair(target: str, model: str, mesh: str, overrides: list[str], slow: bool = True):
+    return pytest.param(target, model, mesh, overrides, id=f"{target}-{model}-{mesh}", marks=[pytest.mark.slow] * slow)
+
+
+PAIRS = [
+    _pair("v5p:2x2x2", "gpt-tiny", "fsdp=8", [*CHEAP, "n_heads=1"], slow=False),
+    _pair("h100:8", "gpt-tiny", "data=2,fsdp=2,tensor=2", [*CHEAP, "n_heads=2"], slow=False),
+    _pair("v5p:2x2x2", "gpt-small", "fsdp=8", LM),
+    _pair("v5p:2x2x2", "gpt-medium", "data=2,fsdp=2,tensor=2", LM),
+    _pair("v5p:4x4x4", "gpt-1b", "tpu-v5p-128", ["batch_size=256", "seq_len=2048"]),
+    _pair("h100:8", "gpt-small", "fsdp=8", LM),
+    _pair("h100:8", "gpt-small", "data=2,fsdp=2,tensor=2", LM),
+    _pair("h200:8", "gpt-medium", "fsdp=8", LM),
+    _pair("h100:8", "moe-small", "data=2,expert=4", LM),
+]
+
+
+@pytest.mark.parametrize("target,model,mesh,overrides", PAIRS)
+def test_estimate_agrees_with_the_compiler(target, model, mesh, overrides):
+    cfg, devices, est = _planned(target, model, mesh, overrides)
+    got = measure(cfg, devices)
+    assert got.platform == est.compiler
+    assert est.memory.arguments == pytest.approx(got.arguments, rel=ARGUMENTS_TOLERANCE)
+    assert est.memory.peak == pytest.approx(got.peak, rel=PEAK_TOLERANCE)
+    expected, total = comm_by_axes(est.transfers), sum(got.comm.values())
+    assert sum(expected.values()) == pytest.approx(total, rel=COMM_TOLERANCE)
+    for axes, sent in got.comm.items():
+        if sent >= COMM_MIN_SHARE * total:
+            assert expected.get(axes, 0.0) == pytest.approx(sent, rel=COMM_TOLERANCE), axes
+
+
+@pytest.mark.slow
+def test_pipeline_estimate_agrees_with_the_compiler():
+    """gpt-small over 2 stages x fsdp 4 of a v5p slice, 2 microbatches of 1F1B. The pipeline axis carries each
+    tick's activations and gradients and the sums over the stages; the other collectives sit in the tick loop's
+    branches, which the compiled count takes to run at every tick where they run at those with work: the compiled
+    figure lies between the estimate and the estimate times ticks / ticks with work."""
+    cfg, devices, est = _planned("v5p:2x2x2", "gpt-small", "pipeline=2,fsdp=4", LM)
+    got = measure(cfg, devices)
+    assert est.memory.arguments == pytest.approx(got.arguments, rel=ARGUMENTS_TOLERANCE)
+    assert est.memory.peak == pytest.approx(got.peak, rel=PEAK_TOLERANCE)
+    expected, s, total = comm_by_axes(est.transfers), est.stages, sum(got.comm.values())
+    assert expected[("pipeline",)] == pytest.approx(got.comm[("pipeline",)], rel=COMM_TOLERANCE)
+    static = s.schedule.ticks / min(s.forward_ticks, s.backward_ticks, s.schedule.microbatches)
+    for axes, sent in got.comm.items():
+        if axes != ("pipeline",) and sent >= COMM_MIN_SHARE * total:
+            assert expected[axes] / (1 + COMM_TOLERANCE) <= sent <= expected[axes] * static * (1 + COMM_TOLERANCE)
+
+
+def _planned(target: str, model: str, mesh: str, overrides: list[str]):
+    """(config, the target's compile-only devices, the estimate for its chip)."""
+    aot = aot_target(target)
+    cfg = apply_overrides(default_config(model), [*overrides, f"mesh={mesh}", "data.source=synthetic"])
+    return cfg, aot.devices, estimate(cfg, aot.chip, len(aot.devices))

@@ -4,15 +4,19 @@ the changes it suggests, and bad input."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxtrain.analysis.chips import CHIPS, ChipError, chip
 from jaxtrain.cli import main
 from jaxtrain.errors import UserInputError
 from jaxtrain.planner import USABLE_HBM, comm_by_axes, estimate, fits_with, format_estimate, measure, plan_report
+from jaxtrain.planner.layouts import TraceError, scan_parts
+from jaxtrain.planner.tiling import held_bytes
 from jaxtrain.run_config import apply_overrides, default_config
 
 TINY = ["batch_size=8", "seq_len=32", "train.steps=10"]
@@ -192,6 +196,43 @@ def test_pipeline_estimate_agrees_with_compiled_step(schedule):
     for axes, sent in got.comm.items():
         if axes != ("pipeline",) and sent >= COMM_MIN_SHARE * sum(got.comm.values()):
             assert expected[axes] / (1 + COMM_TOLERANCE) <= sent <= expected[axes] * ticks / busy * (1 + COMM_TOLERANCE)
+
+
+def test_scans_are_read_from_their_shapes():
+    """A scan's consts, carry and stacked inputs come from its operands' shapes against its body's, whatever params
+    the JAX version gives the equation; a form that does not fit is a clear error naming the equation."""
+
+    def body(carry, x):
+        h, count = carry
+        return (jnp.tanh(h @ w + x), count + 1), h.sum()
+
+    w = jnp.ones((4, 4))
+    closed = jax.make_jaxpr(lambda h, xs: jax.lax.scan(body, (h, 0), xs))(jnp.ones((2, 4)), jnp.ones((5, 2, 4)))
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    parts = scan_parts(eqn)
+    assert parts.length == 5
+    assert [v.aval.shape for v in parts.carry] == [(2, 4), ()]
+    assert [v.aval.shape for v in parts.xs] == [(5, 2, 4)]
+    assert [v.aval.shape for v in parts.consts] == [(4, 4)]
+    broken = eqn.replace(outvars=eqn.outvars[1:])  # a result missing: its body no longer matches
+    with pytest.raises(TraceError, match="scan"):
+        scan_parts(broken)
+
+
+@pytest.mark.parametrize(
+    "shape,itemsize,stored",
+    [
+        ((12, 96, 3, 12, 64), 4, 12 * 128 * 3 * 12 * 64),  # f32[12,96,3,12,64]{1,4,3,2,0:T(8,128)}: 96 -> 128
+        ((2, 64), 4, 2 * 128),  # f32[2,64]{1,0:T(2,128)}
+        ((50304, 96), 4, 50304 * 96),  # f32[50304,96]{0,1:T(8,128)}: 50304 minor, no padding
+        ((768,), 4, 1024),  # f32[768]{0:T(1024)}
+        ((12, 768), 4, 16 * 768),  # f32[12,768]{1,0:T(8,128)}: 12 rows -> 16
+    ],
+)
+def test_tpu_tiling_pads_as_the_compiler_lays_out(shape, itemsize, stored):
+    """Sizes of arrays as the TPU compiler laid them out in programs compiled for v5p (their layouts beside)."""
+    assert held_bytes(shape, itemsize, tiled=True) == stored * itemsize
+    assert held_bytes(shape, itemsize, tiled=False) == math.prod(shape) * itemsize
 
 
 def test_too_big_gets_a_change_that_fits():

@@ -1,16 +1,24 @@
 """The estimate of one run: per-device memory, collectives per step and a roofline step time for a model, a mesh
-layout of any size and a chip, from abstract shapes alone (nothing is allocated or compiled); and `fits_with`, the
-changes that would make a run that does not fit fit.
+layout of any size and a chip, from abstract shapes alone (nothing is allocated; a pipeline's stage balancing
+compiles one layer for XLA's cost analysis, as the runtime does); and `fits_with`, the changes that would make a run
+that does not fit fit.
+
+An estimate describes what the chip's compiler (XLA for TPU or GPU) makes of the step; `compiler="cpu"` describes
+the same step compiled for simulated CPU devices, to check an estimate on this machine. tests/test_planner_aot.py
+holds the estimate to the TPU and GPU compilers' own figures, tests/test_planner.py to XLA:CPU's.
 
 How each figure is found (all per device):
-- state: the plan's shardings on an abstract mesh (`jaxtrain.sharding.mesh.abstract_mesh`), exact.
+- state: the plan's shardings on an abstract mesh (`jaxtrain.sharding.mesh.abstract_mesh`), exact; on TPU as it
+  stores arrays, in tiles (`jaxtrain.planner.tiling`).
 - gradients: one params-sized tree, sharded like the params; two under gradient accumulation (sum and newest).
 - activations: what `jax.vjp` keeps for the backward pass of the loss on one device's rows (one microbatch), so the
-  model's own remat policy decides; plus a working set: the same count for the largest loop body or remat region
-  (what the backward recomputes, and cotangents of that size) and one layer's weights gathered by FSDP.
+  model's own remat policy decides, less what the compiler recomputes instead (`jaxtrain.planner.residuals`); plus
+  a working set: the same count for the largest loop body or remat region (what the backward recomputes, and
+  cotangents of that size) and one layer's weights gathered by FSDP.
 - which share of a traced array a device holds: `jaxtrain.planner.layouts`.
-- collectives: the weights' (`jaxtrain.planner.weights`) and those the traced step implies
-  (`jaxtrain.planner.tracing`).
+- collectives: the weights' (`jaxtrain.planner.weights`: in the dtype they are used in) and those the traced step
+  implies (`jaxtrain.planner.tracing`).
+- under a pipeline, the traced microbatch run through the schedule's ticks: `jaxtrain.planner.stages`.
 - batch shapes come from the model's config (the `synthetic` source): planning reads no data.
 - time: FLOPs of every matmul and convolution in the traced step (remat recompute included) / peak; HBM: their
   operands and results plus reading and writing the state / HBM bandwidth; each collective / the bandwidth of its

@@ -399,7 +399,7 @@ def loop_multiplicity(module: Module) -> tuple[dict[str, int], set[str]]:
             body = instruction.attribute("body") if loop else None
             for callee in instruction.called():
                 if callee == body:
-                    visit(callee, times * (trips or 1), exact and trips is not None)
+                    visit(callee, times * (1 if trips is None else trips), exact and trips is not None)
                 else:
                     visit(callee, times, exact)
 

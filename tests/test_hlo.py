@@ -215,3 +215,35 @@ def test_a_windowed_reduce_scatter_and_its_last_permute_after_the_loop():
     assert found["collective-permute-start.60"].kind == "reduce-scatter"
     assert found["collective-permute-start.44"].kind == "reduce-scatter"
     assert found["user-permute"].kind == "collective-permute"
+
+
+# Trimmed from the TPU train step of gpt-tiny over two v5p:2x2x2 slices (fsdp=2, tensor=4 in a slice, data=2 across):
+# the program is one slice's, and hands what crosses slices to the megascale runtime as sends.
+MEGASCALE = """HloModule jit_traced, is_scheduled=true, num_partitions=8
+
+ENTRY %main.42_spmd (p: f32[8,8,128], q: f32[64,32]) -> token[] {
+  %p = f32[8,8,128]{2,1,0:T(8,128)} parameter(0)
+  %q = f32[64,32]{0,1:T(8,128)} parameter(1)
+  %after-all = token[] after-all()
+  %send.2 = (f32[8,8,128]{2,1,0:T(8,128)}, u32[]{:S(2)}, token[]) send(%p, %after-all), channel_id=5, \
+is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",\
+_xla_host_transfer_rendezvous="all-reduce.67_0",_xla_megascale_target="{1,2}x{0:7}",\
+_xla_megascale_transfer_type="ALL_REDUCE",is_spmd_generated="true"}
+  ROOT %send = (f32[64,32]{0,1:T(8,128)}, u32[]{:S(2)}, token[]) send(%q, %after-all), channel_id=4, \
+is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",\
+_xla_host_transfer_rendezvous="collective-permute_0",_xla_megascale_target={{200000->100006},{100001->200000}},\
+_xla_megascale_transfer_type="ONE_TO_ONE",is_spmd_generated="true"}
+}
+""".replace("\\\n", "")
+SLICE_IDS = [100000, 100001, 100003, 100002, 100006, 100007, 100005, 100004]  # slice 1's devices; slice 2: 2000xx
+
+
+def test_sends_between_slices_are_collectives_over_the_slices():
+    ids = SLICE_IDS + [i + 100000 for i in SLICE_IDS]
+    found = {c.name: c for c in collectives(MEGASCALE, ids)}
+    reduce, permute = found["send.2"], found["send"]
+    assert (reduce.kind, reduce.via, reduce.bytes) == ("all-reduce", "DCN send", 8 * 8 * 128 * 4)
+    assert reduce.groups == tuple((p, 8 + p) for p in range(8))  # each partition with its twin in the other slice
+    assert (permute.kind, permute.pairs) == ("collective-permute", ((8, 4), (1, 8)))
+    with pytest.raises(ValueError, match=r"send sends between device ids \[100001, 100006, 200000\]"):
+        collectives(MEGASCALE)

@@ -4,7 +4,9 @@ before anything runs: its collectives, their shapes, device groups and loop trip
 Bytes follow the bandwidth-optimal algorithm for each kind, with N devices in a group and B the array's bytes on one
 device: all-reduce 2(N-1)/N·B (ring: reduce-scatter, then all-gather), all-gather (N-1)/N·result, reduce-scatter
 (N-1)·result, all-to-all (N-1)/N·B. A collective-permute sends its operand from each source device only, so
-per-device traffic can be uneven (a parameter server's hot spot); the report shows the busiest device.
+per-device traffic can be uneven (a parameter server's hot spot); the report shows the busiest device. A windowed
+einsum's gather or reduce-scatter counts what its permutes send; a send between TPU slices (DCN), its operand, which
+the megascale runtime moves by an algorithm the program does not show.
 
     >>> report = communication_report(run.train_step, run.plan.mesh)           # doctest: +SKIP
     >>> print(report.format([Expected("ring all-reduce of f32 gradients", 2 * 7 / 8 * param_bytes)]))  # doctest: +SKIP

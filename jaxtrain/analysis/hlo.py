@@ -14,6 +14,8 @@ programs of XLA:CPU, the CUDA plugin and the TPU compiler (libtpu), which write 
   (`windowed_dot_general_body_ag` or `_rs`, the names XLA's own passes look for) that passes shards round a ring
   with collective-permutes while it multiplies. Those permutes, and the ones the compiler moved just before or
   after the loop, are counted as the all-gather or reduce-scatter they replace, with the bytes they move.
+- A multi-slice TPU program is one slice's, which every slice runs; what crosses slices goes to the megascale
+  runtime as `send`s, read as collectives between the slices (`via` DCN).
 
 Devices are named by their index in the program's device assignment (replica * num_partitions + partition, XLA's
 "flattened id"). A jax.jit program has one replica, so that is the partition id, which is the position in the
@@ -99,7 +101,7 @@ class Collective:
     executions: int  # times it runs per call of the program (trip count of enclosing loops)
     computation: str
     op_name: str
-    via: str = ""  # how the program does it when not as a `kind` op: "windowed einsum", "all-reduce-scatter fusion"
+    via: str = ""  # how, when not as a `kind` op: "windowed einsum", "all-reduce-scatter fusion", DCN
     exact: bool = True  # False when an enclosing loop's trip count could not be read (then counted once)
 
     @property

@@ -39,9 +39,9 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
 
 
 @functools.cache
-def reference_memory(name: str, mesh: str, slices: int = 1):
+def reference_memory(name: str, mesh: str, slices: int = 1, model: str = "gpt-tiny", overrides: tuple[str, ...] = ()):
     """`memory_analysis()` of the step compiled for `name` apart from the command: what it must print."""
-    return aot_run(aot_target(name, slices), mesh).train_step.memory_analysis()
+    return aot_run(aot_target(name, slices), mesh, overrides, model).train_step.memory_analysis()
 
 
 def compiler_figures(m) -> dict[str, str]:
@@ -62,18 +62,24 @@ def printed_figures(out: str) -> dict[str, str]:
     return dict(re.findall(r"^ {4}(\S.*?) {2,}([\d.]+ (?:B|KiB|MiB|GiB|TiB))", block, flags=re.M))
 
 
+# XLA:GPU takes ~10 s over gpt-tiny's step (3 s over mlp-tiny's); XLA:TPU 2-5 s.
+MLP_TINY = ("mlp-tiny", ("data.source=synthetic",))
+
+
 @pytest.mark.parametrize(
-    "flags,name,platform",
+    "flags,name,platform,model",
     [
-        (["--aot-topology", "v5p:2x2x2"], "v5p:2x2x2", "tpu"),
-        (["--aot-topology", "h100:8"], "h100:8", "gpu"),
-        (["--aot-topology", "auto", "--chip", "v5p"], "v5p:2x2x2", "tpu"),  # 8 v5p chips: a 2x2x2 slice
+        (["--aot-topology", "v5p:2x2x2"], "v5p:2x2x2", "tpu", ("gpt-tiny", ())),
+        (["--aot-topology", "h100:8"], "h100:8", "gpu", MLP_TINY),
+        pytest.param(["--aot-topology", "h200:8"], "h200:8", "gpu", ("gpt-tiny", ()), marks=pytest.mark.slow),
+        (["--aot-topology", "auto", "--chip", "v5p"], "v5p:2x2x2", "tpu", ("gpt-tiny", ())),  # 8 v5p: 2x2x2
     ],
-    ids=["tpu", "gpu", "auto"],
+    ids=["tpu", "gpu", "gpu-gpt", "auto"],
 )
-def test_plan_prints_the_compilers_figures(flags, name, platform, capsys):
-    reference = reference_memory(name, "fsdp=8")
-    status, out, err = run_cli(["plan", *flags, "--mesh", "fsdp=8", *GPT_TINY], capsys)
+def test_plan_prints_the_compilers_figures(flags, name, platform, model, capsys):
+    reference = reference_memory(name, "fsdp=8", 1, *model)
+    argv = ["plan", *flags, "--mesh", "fsdp=8", "--model", model[0], *TINY, *model[1]]
+    status, out, err = run_cli(argv, capsys)
     assert status == 0, err
     target = aot_target(name)
     assert f"check: compiled the train step for {target.describe()} in " in out
@@ -91,9 +97,10 @@ def test_a_tpu_program_over_the_hbm_is_refused_by_the_compiler(capsys):
     status, out, err = run_cli(["plan", "--aot-topology", "v5p:2x2x2", "--mesh", "fsdp=8", *OVERSIZED], capsys)
     assert status == 0, err
     assert "verdict: does not fit" in out
-    assert f"check: compiling for {aot_target('v5p:2x2x2').describe()}: the TPU compiler refused the train step" in out
+    target = aot_target("v5p:2x2x2").describe()
+    assert f"check: the TPU compiler refused the train step for {target} after " in out
     assert "RESOURCE_EXHAUSTED" in out and "exceeds available HBM" in out
-    assert out.rstrip().endswith("compiled verdict: does not fit")
+    assert out.rstrip().endswith("compiled verdict: does not fit: the compiler refused it for lack of HBM")
 
 
 @pytest.mark.slow  # the GPU compiler works through the oversized program: ~20 s
@@ -114,7 +121,7 @@ def test_multi_slice_layout_compiles_for_slices_joined_by_dcn(tmp_path, capsys):
     crosses them (the slow links the estimate prices)."""
     layout = tmp_path / "two-slices.toml"
     layout.write_text('description = "FSDP in each slice, data across two"\n[axes]\nfsdp = 8\n[dcn_axes]\ndata = 2\n')
-    reference = reference_memory("v5p:2x2x2", str(layout), slices=2)
+    reference = reference_memory("v5p:2x2x2", str(layout), 2, "gpt-tiny", ("batch_size=16",))
     argv = ["plan", "--aot-topology", "auto", "--chip", "v5p", "--mesh", str(layout), *GPT_TINY, "batch_size=16"]
     status, out, err = run_cli(argv, capsys)
     assert status == 0, err

@@ -27,6 +27,12 @@ class CompilerRefused(UserInputError):
     """The compiler refused the step for the devices' memory, as XLA:TPU does for a program larger than the chip's
     HBM: the run does not fit as configured (bad input, like a batch too big)."""
 
+    def __init__(self, platform: str, devices: str, seconds: float, reason: str):
+        self.platform, self.seconds, self.reason = platform, seconds, reason
+        super().__init__(
+            f"the {platform.upper()} compiler refused the train step on {devices} after {seconds:.1f} s: {reason}"
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
@@ -91,12 +97,11 @@ def compile_train_step(run: Setup) -> tuple[float, bool]:
         with _no_persistent_cache() if devices[0] not in jax.devices() else contextlib.nullcontext():
             run.train_step  # noqa: B018 - a cached property: this compiles
     except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
+        reason = str(err).splitlines()[0]
+        if "RESOURCE_EXHAUSTED" not in reason or "hbm" not in reason.lower():
             raise
-        raise CompilerRefused(
-            f"the {devices[0].platform.upper()} compiler refused the train step on {len(devices)} "
-            f"{devices[0].device_kind} devices after {time.perf_counter() - start:.1f} s: {str(err).splitlines()[0]}"
-        ) from None
+        where = f"{len(devices)} {devices[0].device_kind} devices"
+        raise CompilerRefused(devices[0].platform, where, time.perf_counter() - start, reason) from None
     finally:
         jax.monitoring.unregister_event_listener(on_event)
     return time.perf_counter() - start, bool(hits)

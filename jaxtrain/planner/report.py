@@ -75,7 +75,11 @@ def _target_check(cfg: RunConfig, est: Estimate, target: Target) -> tuple[Measur
     try:
         m = measure(cfg, target.devices)
     except CompilerRefused as refused:
-        return None, [f"check: compiling for {target.describe()}: {refused}", "compiled verdict: does not fit"]
+        return None, [
+            f"check: the {refused.platform.upper()} compiler refused the train step for {target.describe()} after "
+            f"{refused.seconds:.1f} s: {refused.reason}",
+            "compiled verdict: does not fit: the compiler refused it for lack of HBM",
+        ]
     figures = [
         ("arguments", m.arguments, ""),
         ("outputs", m.outputs, f"{fmt_bytes(m.aliased)} of them in donated arguments' buffers"),

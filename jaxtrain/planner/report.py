@@ -48,21 +48,22 @@ def plan_report(
     if spec is None:
         raise ChipError(f"say which chip to plan for with --chip: one of {', '.join(CHIPS)}.")
     est = estimate(cfg, spec, devices, layout)
+    return _with_check(est, *_local_check(cfg, est, check))
+
+
+def _local_check(cfg: RunConfig, est: Estimate, check: bool) -> tuple[Measured | None, list[str]]:
+    """The step compiled on this process's devices, when it has enough."""
     if not check:
-        return _with_check(est, None, ["check: skipped (--no-check)"])
-    if devices > jax.device_count():
-        return _with_check(
-            est,
-            None,
-            [
-                f"check: not compiled: the mesh has {devices} devices, this process {jax.device_count()} "
-                f"(--simulated-devices {devices} compiles it on that many CPU devices, --aot-topology {AUTO} for "
-                f"the chip's compiler)"
-            ],
-        )
-    measured = measure(cfg, jax.devices()[:devices])
-    where = f"on {devices} {measured.platform} devices"
-    return _with_check(est, measured, [f"check: {_compiled(measured, where)} (figures beside the estimates)"])
+        return None, ["check: skipped (--no-check)"]
+    if est.devices > jax.device_count():
+        return None, [
+            f"check: not compiled: the mesh has {est.devices} devices, this process {jax.device_count()} "
+            f"(--simulated-devices {est.devices} compiles it on that many CPU devices, --aot-topology {AUTO} with "
+            "the chip's own compiler)"
+        ]
+    measured = measure(cfg, jax.devices()[: est.devices])
+    where = f"on {est.devices} {measured.platform} devices"
+    return measured, [f"check: {_compiled(measured, where)} (figures beside the estimates)"]
 
 
 def _with_check(est: Estimate, measured: Measured | None, check: Sequence[str]) -> str:
@@ -85,8 +86,9 @@ def _target_check(cfg: RunConfig, est: Estimate, target: Target) -> tuple[Measur
         ("outputs", m.outputs, f"{fmt_bytes(m.aliased)} of them in donated arguments' buffers"),
         ("temporaries", m.temporaries, ""),
         ("live at most", m.peak, "arguments + outputs - donated + temporaries: the fit is judged on this"),
-        *[("XLA's peak", m.xla_peak, "the compiler's own estimate")] * bool(m.xla_peak),
     ]
+    if m.xla_peak:
+        figures.append(("XLA's peak", m.xla_peak, "the compiler's own estimate"))
     return m, [
         f"check: {_compiled(m, f'for {target.describe()}')} (figures beside the estimates)",
         f"  the {target.platform.upper()} compiler's memory per device",

@@ -5,8 +5,12 @@ bad targets refused in one line before anything compiles."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import re
+import tempfile
+from pathlib import Path
 
 import jax
 import pytest
@@ -115,20 +119,49 @@ def test_a_gpu_program_over_the_memory_compiles_and_does_not_fit(capsys):
     assert "XLA:GPU compiles a program larger than the GPU's memory without complaint" in out
 
 
-@pytest.mark.slow  # two compiles of 16 devices
-def test_multi_slice_layout_compiles_for_slices_joined_by_dcn(tmp_path, capsys):
-    """A layout with dcn_axes on `auto`: v5p:2x2x2 twice, data parallel across the slices; the gradient all-reduce
-    crosses them (the slow links the estimate prices)."""
-    layout = tmp_path / "two-slices.toml"
-    layout.write_text('description = "FSDP in each slice, data across two"\n[axes]\nfsdp = 8\n[dcn_axes]\ndata = 2\n')
-    reference = reference_memory("v5p:2x2x2", str(layout), 2, "gpt-tiny", ("batch_size=16",))
+TWO_SLICES = 'description = "FSDP in each slice, data across two"\n[axes]\nfsdp = 8\n[dcn_axes]\ndata = 2\n'
+
+
+@functools.cache
+def two_slice_plan() -> tuple[str, str]:
+    """(the layout file, what `jaxtrain plan --aot-topology auto --chip v5p` printed for it): one compile for the
+    tests that read it."""
+    layout = Path(tempfile.mkdtemp(prefix="two-slices-")) / "two-slices.toml"
+    layout.write_text(TWO_SLICES)
+    printed = io.StringIO()
     argv = ["plan", "--aot-topology", "auto", "--chip", "v5p", "--mesh", str(layout), *GPT_TINY, "batch_size=16"]
-    status, out, err = run_cli(argv, capsys)
-    assert status == 0, err
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    return str(layout), printed.getvalue()
+
+
+def compiled_comm(out: str, axes: str) -> str:
+    """The compiled bytes of one set of axes in the table beside the compiled step."""
+    table = out.split("per set of axes, beside the compiled step\n", 1)[1]
+    return re.search(rf"^  {axes} +\S+ \S+ +(\S+ \S+)", table, flags=re.M).group(1)
+
+
+@pytest.mark.slow  # two compiles of 16 devices
+def test_multi_slice_layout_compiles_for_slices_joined_by_dcn():
+    """A layout with dcn_axes on `auto`: v5p:2x2x2 twice, FSDP in each slice, data parallel across them."""
+    layout, out = two_slice_plan()
+    reference = reference_memory("v5p:2x2x2", layout, 2, "gpt-tiny", ("batch_size=16",))
     assert "for v5p:2x2x2 (16 TPU v5 devices in 2 slices, compile-only)" in out
-    assert "across hosts: data" in out
+    assert "across hosts: data" in out and re.search(r"^  data +all-reduce +gradients", out, flags=re.M)
     assert printed_figures(out) == compiler_figures(reference)
-    assert re.search(r"^  data +\S+ \S+ +\S+ \S+", out, flags=re.M), out  # data's traffic, estimated and compiled
+    assert compiled_comm(out, "fsdp") != "0 B"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="libtpu compiles a multi-slice program per slice: the gradient all-reduce across slices is a send/recv "
+    "pair of host transfers to the megascale runtime (_xla_megascale_transfer_type=ALL_REDUCE), which "
+    "jaxtrain.analysis.hlo does not count yet",
+)
+def test_multi_slice_compiled_traffic_crosses_the_slices():
+    _, out = two_slice_plan()
+    assert compiled_comm(out, "data") != "0 B"
 
 
 def test_comm_reports_the_step_compiled_for_a_tpu(capsys):

@@ -44,6 +44,7 @@ class Traffic:
     ops: int
     executions: int
     sent: np.ndarray
+    via: tuple[str, ...] = ()  # how the program does some of them when not as `kind` ops ("windowed einsum")
 
     @property
     def mean(self) -> float:
@@ -71,6 +72,7 @@ class CommReport:
 
     mesh: Mesh
     rows: tuple[Traffic, ...]
+    uncounted: int = 0  # collectives in loops whose trip count the program does not say, counted once
 
     @property
     def per_device(self) -> np.ndarray:
@@ -90,13 +92,18 @@ class CommReport:
             return f"{title}\n  none: the compiled program has no collectives"
         table = [("axes", "collective", "ops", "runs/step", "mean/device", "max/device")]
         table += [
-            (" ".join(r.axes) or "-", r.kind, str(r.ops), str(r.executions), fmt_bytes(r.mean), fmt_bytes(r.max))
+            (" ".join(r.axes) or "-", _kind(r), str(r.ops), str(r.executions), fmt_bytes(r.mean), fmt_bytes(r.max))
             for r in self.rows
         ]
         total = self.per_device
         ops, runs = sum(r.ops for r in self.rows), sum(r.executions for r in self.rows)
         table.append(("total", "", str(ops), str(runs), fmt_bytes(total.mean()), fmt_bytes(total.max())))
         lines = [title, *(line.rstrip() for line in format_table(table))]
+        if self.uncounted:
+            lines.append(
+                f"{self.uncounted} collectives run in loops whose trip count the program does not give: each is "
+                "counted once per step, so these figures are a lower bound"
+            )
         busiest = int(total.argmax())
         if total[busiest] > _UNEVEN * total.mean():
             lines.append(
@@ -120,6 +127,11 @@ class CommReport:
         return f"id {self.mesh.devices.flat[position].id} ({' '.join(live)})"
 
 
+def _kind(row: Traffic) -> str:
+    """'all-gather', or 'all-gather (windowed einsum)' when the program does some of them another way."""
+    return f"{row.kind} ({', '.join(row.via)})" if row.via else row.kind
+
+
 def _selects(row: Traffic, axes: Sequence[str] | None, kinds: Sequence[str]) -> bool:
     return (axes is None or set(row.axes) == set(axes)) and (not kinds or row.kind in kinds)
 
@@ -134,8 +146,8 @@ def axes_of_group(mesh: Mesh, group: Sequence[int]) -> tuple[str, ...]:
 def sent_per_device(collective: Collective, devices: int) -> np.ndarray:
     """Bytes each of `devices` (by device index in the program) sends in one execution of `collective`."""
     sent = np.zeros(devices)
-    for source, _ in collective.pairs:
-        sent[source] += collective.bytes
+    for source, target in collective.pairs:
+        sent[source] += collective.bytes if source != target else 0  # a device's copy to itself crosses no link
     for group in collective.groups:
         sent[list(group)] += collective.bytes * SEND_SHARE[collective.kind](len(group))
     return sent
@@ -144,26 +156,36 @@ def sent_per_device(collective: Collective, devices: int) -> np.ndarray:
 def communication_report(compiled: jax.stages.Compiled, mesh: Mesh) -> CommReport:
     """Bytes each device of `mesh` sends per call of `compiled` (a training step), per mesh axes and kind."""
     positions = _mesh_positions(compiled, mesh)
+    found = collectives(compiled.as_text())
     rows: dict[tuple[tuple[str, ...], str], Traffic] = {}
-    for c in collectives(compiled.as_text()):
+    for c in found:
         sent = np.zeros(mesh.size)
         sent[positions] = sent_per_device(c, len(positions)) * c.executions
         groups = c.groups or c.pairs
         axes = set().union(*(axes_of_group(mesh, positions[list(g)]) for g in groups))
         key = (tuple(a for a in mesh.axis_names if a in axes), c.kind)
         row = rows.get(key, Traffic(*key, 0, 0, np.zeros(mesh.size)))
-        rows[key] = Traffic(*key, row.ops + 1, row.executions + c.executions, row.sent + sent)
-    return CommReport(mesh, tuple(sorted(rows.values(), key=lambda r: (-r.mean, r.axes, r.kind))))
+        via = tuple(sorted({*row.via, c.via} - {""}))
+        rows[key] = Traffic(*key, row.ops + 1, row.executions + c.executions, row.sent + sent, via)
+    ordered = tuple(sorted(rows.values(), key=lambda r: (-r.mean, r.axes, r.kind)))
+    return CommReport(mesh, ordered, sum(not c.exact for c in found))
+
+
+def program_devices(compiled: jax.stages.Compiled) -> tuple[jax.Device, ...]:
+    """The devices of `compiled` in the order its collectives number them: its device assignment.
+
+    jax.jit compiles for one device assignment, which every sharding of the program's inputs and outputs shares (jit
+    refuses shardings that order the same devices differently), so it is read from those. That works alike for CPU,
+    GPU and TPU programs, for compile-only devices (whose executables cannot list their devices) and for the
+    global devices of a multi-process run."""
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    return max((tuple(s._device_assignment) for s in shardings), key=len, default=())
 
 
 def _mesh_positions(compiled: jax.stages.Compiled, mesh: Mesh) -> np.ndarray:
-    """The mesh position (index into `mesh.devices.flat`) of each device index the program's collectives use.
-
-    XLA numbers devices by their place in the program's device assignment. jax.jit assigns `mesh.devices.flat` in
-    order when the shardings use `mesh`; a program compiled over another arrangement of the same devices is mapped
-    through the device ids. With several processes each sees only its own devices: then assume jit's order."""
-    program = compiled.runtime_executable().local_devices()
-    if len(program) != mesh.size:
+    """The mesh position (index into `mesh.devices.flat`) of each device index the program's collectives use."""
+    program = program_devices(compiled)
+    if len(program) <= 1:  # nothing says otherwise: jit assigns the mesh's devices in order
         return np.arange(mesh.size)
     position = {d.id: i for i, d in enumerate(mesh.devices.flat)}
     if missing := [d.id for d in program if d.id not in position]:

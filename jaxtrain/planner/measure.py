@@ -4,14 +4,12 @@ a TPU topology or GPU node (`jaxtrain.aot.targets`), and read the compiled progr
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 
 from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.errors import UserInputError
@@ -94,8 +92,7 @@ def compile_train_step(run: Setup) -> tuple[float, bool]:
     jax.monitoring.register_event_listener(on_event)
     start = time.perf_counter()
     try:
-        with _no_persistent_cache() if devices[0] not in jax.devices() else contextlib.nullcontext():
-            run.train_step  # noqa: B018 - a cached property: this compiles
+        run.train_step  # noqa: B018 - a cached property: this compiles
     except jax.errors.JaxRuntimeError as err:
         reason = str(err).splitlines()[0]
         if "RESOURCE_EXHAUSTED" not in reason or "hbm" not in reason.lower():
@@ -105,18 +102,3 @@ def compile_train_step(run: Setup) -> tuple[float, bool]:
     finally:
         jax.monitoring.unregister_event_listener(on_event)
     return time.perf_counter() - start, bool(hits)
-
-
-@contextlib.contextmanager
-def _no_persistent_cache() -> Iterator[None]:
-    """JAX's persistent compilation cache off for a compile-only program: it would write it and never read it back
-    ("PjRtCompiler must be constructed with a Client to call DeserializeLoadedExecutable", a warning, then a full
-    compile). The cache decides once per process whether it is in use, so it is reset around the change."""
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
-        compilation_cache.reset_cache()

@@ -14,6 +14,8 @@ programs of XLA:CPU, the CUDA plugin and the TPU compiler (libtpu), which write 
   (`windowed_dot_general_body_ag` or `_rs`, the names XLA's own passes look for) that passes shards round a ring
   with collective-permutes while it multiplies. Those permutes, and the ones the compiler moved just before or
   after the loop, are counted as the all-gather or reduce-scatter they replace, with the bytes they move.
+- A multi-slice TPU program is one slice's, which every slice runs; what crosses slices goes to the megascale
+  runtime as `send`s, read as collectives between the slices (`via` DCN).
 
 Devices are named by their index in the program's device assignment (replica * num_partitions + partition, XLA's
 "flattened id"). A jax.jit program has one replica, so that is the partition id, which is the position in the
@@ -68,6 +70,19 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*
 _MESH_AXIS = re.compile(r"'?([^',=]+)'?=(\d+)")
 _GROUP_AXIS = re.compile(r"'?([^',:]+)'?(?::\((\d+)\)(\d+))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+# A multi-slice TPU program is one slice's; it hands what crosses slices (DCN) to the megascale runtime as sends:
+# to the same partition of the slices listed ("{1,2}x{0:7}", slices counted from 1), or between device ids.
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="\{([\d,]+)\}x\{(\d+):(\d+)\}"')
+_MEGASCALE_PAIRS = re.compile(r"_xla_megascale_target=\{((?:\{\d+->\d+\},?)*)\}")
+_MEGASCALE_KINDS = {
+    "ALL_REDUCE": "all-reduce",
+    "ALL_GATHER": "all-gather",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+    "ONE_TO_ONE": "collective-permute",
+}
+DCN = "DCN send"  # Collective.via of a transfer between slices
 # Loop bodies of XLA's windowed einsums (spmd/dot_handler.cc), by the collective they stand in for.
 _WINDOWED = {"windowed_dot_general_body_ag": "all-gather", "windowed_dot_general_body_rs": "reduce-scatter"}
 # Ops that pass a value on unchanged, for following a windowed einsum's permutes to and from its loop.
@@ -86,7 +101,7 @@ class Collective:
     executions: int  # times it runs per call of the program (trip count of enclosing loops)
     computation: str
     op_name: str
-    via: str = ""  # how the program does it when not as a `kind` op: "windowed einsum", "all-reduce-scatter fusion"
+    via: str = ""  # how, when not as a `kind` op: "windowed einsum", "all-reduce-scatter fusion", DCN
     exact: bool = True  # False when an enclosing loop's trip count could not be read (then counted once)
 
     @property
@@ -399,7 +414,7 @@ def loop_multiplicity(module: Module) -> tuple[dict[str, int], set[str]]:
             body = instruction.attribute("body") if loop else None
             for callee in instruction.called():
                 if callee == body:
-                    visit(callee, times * (trips or 1), exact and trips is not None)
+                    visit(callee, times * (1 if trips is None else trips), exact and trips is not None)
                 else:
                     visit(callee, times, exact)
 
@@ -474,15 +489,25 @@ def _fused_reduce_scatter(uses: _Uses, computation: str, reduce: Instruction) ->
     return tuple(array for s in slices for array in _arrays(s.type)) if slices else None
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective in the optimized HLO module `hlo_text` (from `compiled.as_text()`)."""
+def collectives(hlo_text: str, device_ids: Sequence[int] = ()) -> list[Collective]:
+    """Every collective in the optimized HLO module `hlo_text` (from `compiled.as_text()`). In a multi-slice TPU
+    program, device indices past the slice's own (replicas x partitions) are those of the later slices, in order;
+    its transfers between device ids are read with `device_ids`, the ids of the program's devices in order."""
     program = _Program(parse_module(hlo_text))
-    return [
-        program.collective(computation, instruction)
-        for computation, body in program.module.computations.items()
-        for instruction in body.values()
-        if instruction.opcode.removesuffix("-start") in KINDS
-    ]
+    found = []
+    for computation, body in program.module.computations.items():
+        for instruction in body.values():
+            if instruction.opcode.removesuffix("-start") in KINDS:
+                found.append(program.collective(computation, instruction))
+            elif instruction.opcode == "send" and _MEGASCALE.search(instruction.line):
+                found.append(program.between_slices(computation, instruction, device_ids))
+    return found
+
+
+def devices_per_program(hlo_text: str) -> int:
+    """The devices one copy of the program spans (replicas x partitions): all of them, or one TPU slice's."""
+    lines = hlo_text.split("\n", 1)[:1]
+    return _module_count(lines, "replica_count") * _module_count(lines, "num_partitions")
 
 
 class _Program:
@@ -519,6 +544,42 @@ class _Program:
             via=via,
             exact=computation not in self.uncounted,
         )
+
+    def between_slices(self, computation: str, send: Instruction, device_ids: Sequence[int]) -> Collective:
+        """A megascale send: its operand crosses slices, to the devices its target names."""
+        transfer = _MEGASCALE.search(send.line).group(1)
+        if transfer not in _MEGASCALE_KINDS:
+            raise ValueError(
+                f"{send.name}: unknown megascale transfer type {transfer!r} (known: {list(_MEGASCALE_KINDS)})"
+            )
+        groups, pairs = _megascale_targets(send, self.module.replicas * self.module.partitions, device_ids)
+        return Collective(
+            name=send.name,
+            kind=_MEGASCALE_KINDS[transfer],
+            shapes=_arrays(_tuple_elements(send.type)[0]) if send.type.startswith("(") else _arrays(send.type),
+            groups=groups,
+            pairs=pairs,
+            executions=self.runs.get(computation, 1),
+            computation=computation,
+            op_name=send.op_name,
+            via=DCN,
+            exact=computation not in self.uncounted,
+        )
+
+
+def _megascale_targets(send: Instruction, per_slice: int, device_ids: Sequence[int]) -> tuple[tuple, tuple]:
+    """(groups, pairs) of a megascale send in device indices across slices (slice s's partition p is
+    s * per_slice + p)."""
+    if listed := _MEGASCALE_SLICES.search(send.line):
+        slices, first, last = _ints(listed.group(1)), int(listed.group(2)), int(listed.group(3))
+        return tuple(tuple((s - 1) * per_slice + p for s in slices) for p in range(first, last + 1)), ()
+    if listed := _MEGASCALE_PAIRS.search(send.line):
+        index = {device: i for i, device in enumerate(device_ids)}
+        ids = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+)->(\d+)\}", listed.group(1))]
+        if missing := sorted({d for pair in ids for d in pair} - index.keys()):
+            raise ValueError(f"{send.name} sends between device ids {missing[:4]}: pass the program's device ids")
+        return (), tuple((index[a], index[b]) for a, b in ids)
+    raise ValueError(f"{send.name}: cannot read its megascale target: {send.line[:200]}")
 
 
 def _result_shapes(uses: _Uses, computation: str, instruction: Instruction) -> tuple:

@@ -6,6 +6,8 @@ jaxtrain train --config run.toml steps=50   # a TOML run config, then flags, the
 jaxtrain train --config runs/x/ckpt/config.toml --checkpoint-dir runs/y   # rerun a run: it wrote its config.toml
 jaxtrain comm --simulated-devices 8 --mesh data=2,tensor=4 --model gpt-tiny   # bytes sent per step, no training
 jaxtrain plan --model gpt-1b --mesh tpu-v5p-512 --chip v5p --batch-size 512 --seq-len 2048   # memory, comm, time
+jaxtrain plan --model gpt-1b --mesh tpu-v5p-128 --aot-topology v5p:4x4x4 --batch-size 256   # + libtpu's figures
+jaxtrain comm --model gpt-tiny --mesh gpu-1x8 --aot-topology h100:8   # bytes sent per step, as XLA:GPU compiles it
 jaxtrain meshes                        # the shipped mesh layouts
 jaxtrain inspect runs/x/ckpt           # a checkpoint's steps, arrays, shapes, dtypes and sizes, from metadata alone
 jaxtrain export runs/x/ckpt/400 runs/x-params-400   # the params alone, for evaluation or fine-tuning on any mesh
@@ -230,9 +232,18 @@ def _train_parser(
 
 
 def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """Parse train's flags from `argv` and set JAX up for them (simulated devices, compilation cache), before
-    anything imports code that could start a backend."""
+    """Parse train's flags from `argv` and set JAX up for them (simulated devices, compile-only devices beside the
+    CPU backend, compilation cache), before anything imports code that could start a backend."""
     args = parser.parse_intermixed_args(argv)  # key=value before, between or after the flags
+    if getattr(args, "aot_topology", None) is not None:
+        if args.simulated_devices is not None:
+            raise UserInputError(
+                "--simulated-devices and --aot-topology exclude each other: the step compiles for the target's "
+                "devices. Drop one."
+            )
+        from jaxtrain.aot.targets import use_cpu_backend_only
+
+        use_cpu_backend_only()
     if args.simulated_devices is not None:
         use_simulated_devices(args.simulated_devices)
     enable_compilation_cache()
@@ -299,13 +310,49 @@ def comm_main(argv: Sequence[str]) -> int:
         "Print the communication of a training step, from its compiled program, without training: bytes each device "
         "sends per step per mesh axis and collective kind. Takes the flags of `jaxtrain train`.",
     )
+    _aot_flags(
+        parser,
+        "compile the step for this TPU topology or GPU node instead of this machine's devices",
+        "with --aot-topology auto: the chip to compile for",
+        "with --aot-topology auto: chips in the mesh (default: the layout's size)",
+    )
     args = _train_args(argv, parser)
     from jaxtrain.training.setup import build, communication
 
     cfg = _run_config(args)
-    if cfg is not None:
+    if cfg is not None and args.aot_topology is not None:
+        print(_communication_on_target(cfg, args.aot_topology, args.chip, args.devices))
+    elif cfg is not None:
+        if args.chip or args.devices:
+            raise UserInputError("--chip and --devices choose the --aot-topology target: give one, or drop them.")
         print(communication(build(cfg)))
     return 0
+
+
+def _communication_on_target(cfg: RunConfig, name: str, chip_name: str | None, devices: int | None) -> str:
+    """`jaxtrain comm --aot-topology`: the report of the step as the target's compiler compiles it."""
+    from jaxtrain.planner.hardware import target_for
+    from jaxtrain.planner.measure import compile_train_step
+    from jaxtrain.sharding.mesh import parse_layout
+    from jaxtrain.training.setup import build, communication
+
+    target = target_for(parse_layout(cfg.mesh), name, chip_name, devices)  # before anything else starts JAX
+    run = build(cfg, log=lambda *_: None, devices=target.devices)
+    seconds, _ = compile_train_step(run)
+    return f"compiled the train step for {target.describe()} in {seconds:.1f} s\n{communication(run)}"
+
+
+def _aot_flags(parser: argparse.ArgumentParser, does: str, chip_help: str, devices_help: str) -> None:
+    """--aot-topology, and --chip and --devices, which choose the target for `auto`."""
+    parser.add_argument(
+        "--aot-topology",
+        metavar="NAME",
+        help=f"{does}, without the hardware: v5p:4x4x4, v5e:16x16 (TPU <chip>:<topology>, slices from the "
+        "layout's dcn_axes; needs the tpu-aot extra), h100:8, h200:2x8 (GPU <chip>:[<hosts>x]<gpus>; gpu-aot), or "
+        "auto (the standard one for --chip and the layout's size or --devices)",
+    )
+    parser.add_argument("--chip", help=f"v4, v5e, v5p, v6e, h100, h200, a100 ({chip_help})")
+    parser.add_argument("--devices", type=flag_type(at_least=1), help=devices_help)
 
 
 @command
@@ -317,14 +364,15 @@ def plan_main(argv: Sequence[str]) -> int:
         "Estimate per-device memory (params, gradients, optimizer state, activations, peak), collectives per mesh "
         "axis and a roofline step time and MFU of a training run on a chip and mesh of any size, without the devices; "
         "say whether it fits and, if not, which change would. With enough devices (e.g. --simulated-devices 8) it "
-        "also compiles the step and prints the compiled figures beside the estimates. Takes the flags of "
-        "`jaxtrain train`.",
+        "also compiles the step and prints the compiled figures beside the estimates; with --aot-topology the "
+        "chip's own compiler compiles it for that TPU topology or GPU node, without the hardware, and says whether "
+        "the compiled step fits. Takes the flags of `jaxtrain train`.",
     )
-    parser.add_argument("--chip", help="v4, v5e, v5p, v6e, h100, h200, a100 (default: this machine's accelerator)")
-    parser.add_argument(
-        "--devices",
-        type=flag_type(at_least=1),
-        help="chips in the mesh (default: the layout's size, or this machine's)",
+    _aot_flags(
+        parser,
+        "check the estimate with the step compiled for this TPU topology or GPU node",
+        "default: the --aot-topology's chip, else this machine's accelerator",
+        "chips in the mesh (default: the --aot-topology's, the layout's size, or this machine's)",
     )
     parser.add_argument("--no-check", action="store_true", help="do not compile the step, even with enough devices")
     args = _train_args(argv, parser)
@@ -332,7 +380,7 @@ def plan_main(argv: Sequence[str]) -> int:
 
     cfg = _run_config(args)
     if cfg is not None:
-        print(plan_report(cfg, args.chip, args.devices, check=not args.no_check))
+        print(plan_report(cfg, args.chip, args.devices, not args.no_check, args.aot_topology))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The project installed non-editable, as a user gets it: the wheel built from the tracked files, installed into a
 fresh venv outside the checkout, runs the main job and a plan from another directory, on the installed copy, with
-the shipped mesh layouts found as package data.
+the shipped mesh layouts found as package data; with the tpu-aot and gpu-aot extras, `jaxtrain plan --aot-topology`
+compiles for a TPU slice and a GPU node from the installed copy (the GPU specs, gpu_targets/*.txtpb, are package data).
 
 Offline: the fresh venv takes its dependencies (JAX & co) from this interpreter's site-packages through a .pth file.
 Python adds the paths a .pth file lists to sys.path without reading the .pth files inside them, so the dev venv's
@@ -17,6 +18,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from helpers import aot_target
 
 # Building, installing and the two commands took 57 s under load (21 s on a quiet machine): over the default suite's
 # budget for one test.
@@ -152,3 +154,25 @@ def test_installed_jaxtrain_trains_and_plans(installed):
     )
     assert "mesh 'tpu-v5p-128' (fsdp=16 tensor=4; 64 x v5p)" in planned
     assert "verdict: fits" in planned
+
+
+@pytest.mark.parametrize(
+    "target,mesh,model,describes",
+    [
+        ("v5p:2x2x2", "cpu8-fsdp", ["--model", "gpt-tiny"], "v5p:2x2x2 (8 TPU v5 devices, compile-only)"),
+        (
+            "h100:8",
+            "gpu-1x8",
+            ["--model", "mlp-tiny", "data.source=synthetic"],
+            "h100:8 (8 NVIDIA H100 80GB HBM3 devices, compile-only)",
+        ),
+    ],
+    ids=["tpu", "gpu"],
+)
+def test_installed_jaxtrain_compiles_for_hardware_it_lacks(installed, target, mesh, model, describes):
+    aot_target(target)  # skips without the extra, except under CI
+    bin_dir, elsewhere, env = installed
+    argv = [str(bin_dir / "jaxtrain"), "plan", "--aot-topology", target, "--mesh", mesh, "--batch-size", "8", *model]
+    planned = run(argv, elsewhere, env)
+    assert f"check: compiled the train step for {describes} in " in planned
+    assert "compiled verdict: fits: live " in planned

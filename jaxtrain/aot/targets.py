@@ -16,13 +16,14 @@ a program larger than the device's memory, so callers compare the footprint with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.resources
 import importlib.util
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from jaxtrain.analysis.chips import CHIPS, Chip
 from jaxtrain.errors import UserInputError
@@ -59,7 +60,7 @@ def compile_target(name: str, slices: int = 1) -> Target:
     one. JAX must not have started a GPU or TPU backend in this process (compile-only devices live beside the CPU
     backend); call this before anything else runs JAX."""
     chip_name, dims = parse_target(name)
-    _cpu_backend_only()
+    use_cpu_backend_only()
     if chip_name in TPU_CHIPS:
         return _tpu_target(name, chip_name, dims, slices)
     if slices != 1:
@@ -121,9 +122,10 @@ def _slice_shape(chips: int, dims: int) -> list[int]:
     return sorted(shape)
 
 
-def _cpu_backend_only() -> None:
-    """Compile-only devices sit beside JAX's CPU backend. Left to itself, JAX would also start the CUDA plugin's
-    runtime, which fails without a GPU and then refuses to make GPU topologies."""
+def use_cpu_backend_only() -> None:
+    """Keep JAX to its CPU backend, where compile-only devices live: call it before JAX starts a backend (a process
+    that has already started one keeps it). Left to itself, JAX would also start the CUDA plugin's runtime, which
+    fails without a GPU and then refuses to make GPU topologies."""
     import jax
     from jax._src import xla_bridge  # no public way to ask whether the backends have started
 
@@ -139,7 +141,7 @@ def _tpu_target(name: str, chip_name: str, dims: Sequence[int], slices: int) -> 
             f"compiling for '{name}' needs libtpu, the TPU compiler, which is not installed: "
             "pip install 'jaxtrain[tpu-aot]' (it compiles for TPU topologies without the hardware)."
         )
-    _quiet_libtpu(chip_name, math.prod(dims))
+    _libtpu_without_a_tpu_vm(chip_name, math.prod(dims))
     kwargs = {"num_slices": slices} if slices > 1 else {}
     try:
         topology = topologies.get_topology_desc(
@@ -150,12 +152,15 @@ def _tpu_target(name: str, chip_name: str, dims: Sequence[int], slices: int) -> 
     return Target(name, "tpu", CHIPS[chip_name], tuple(topology.devices), slices)
 
 
-def _quiet_libtpu(chip_name: str, chips: int) -> None:
+def _libtpu_without_a_tpu_vm(chip_name: str, chips: int) -> None:
     """libtpu looks for the TPU VM it runs on and prints warnings when there is none; there is none by design here.
-    A real TPU VM sets these itself, and they are left alone when set."""
+    It also takes a lock file that lets one process at a time own the chips, which made a second `jaxtrain plan
+    --aot-topology` fail ("Internal error when accessing libtpu multi-process lockfile") while one ran: only the
+    compiler is used here, and it owns no chip. A real TPU VM sets the first three itself; any set is left alone."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{chip_name}-{chips * (2 if chip_name in ('v4', 'v5p') else 1)}")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def _gpu_target(name: str, chip_name: str, dims: Sequence[int]) -> Target:
@@ -176,3 +181,25 @@ def _gpu_target(name: str, chip_name: str, dims: Sequence[int]) -> Target:
             "Make GPU targets before JAX runs anything else in the process, or set JAX_PLATFORMS=cpu."
         ) from None
     return Target(name, "gpu", CHIPS[chip_name], tuple(topology.devices), hosts)
+
+
+@contextlib.contextmanager
+def compiling_for(devices: Sequence) -> Iterator[None]:
+    """Around a compile for `devices`: for compile-only devices, JAX's persistent compilation cache is off, since it
+    would write the program and never read it back ("PjRtCompiler must be constructed with a Client to call
+    DeserializeLoadedExecutable", a warning, then a full compile). Real devices compile as usual. The cache decides
+    once per process whether it is in use, so it is reset around the change."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if devices[0] in jax.devices():
+        yield
+        return
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()

@@ -1,6 +1,7 @@
 """Plan a run for hardware this machine does not have: per-device memory, collectives per step and a roofline step
 time for a model, a mesh layout of any size and a chip, from abstract shapes alone (nothing is allocated or
-compiled). Where enough devices exist, `measure` compiles the real train step to check the estimate.
+compiled). Where enough devices exist, or for a TPU topology or GPU node this machine lacks (`target_for`, with
+libtpu or the CUDA plugin), `measure` compiles the real train step to check the estimate.
 
     >>> from jaxtrain.planner import estimate, fits_with, format_estimate, plan_report
     >>> cfg = apply_overrides(default_config("gpt-1b"), ["mesh=tpu-v5p-256", "batch_size=512", "seq_len=2048"])
@@ -10,17 +11,19 @@ compiled). Where enough devices exist, `measure` compiles the real train step to
 
 Modules, each importing only those above it: `transfers` (a collective), `layouts` (what a device holds of a traced
 value), `weights` (how params are gathered and their gradients reduced), `tracing` (the step's jaxpr read for
-residuals, FLOPs and collectives), `estimate` (memory, time, verdict, `fits_with`), `measure` (the compiled check),
-`report` (the text).
+residuals, FLOPs and collectives), `estimate` (memory, time, verdict, `fits_with`), `hardware` (the compile-only
+devices a run is checked on), `measure` (the compiled check), `report` (the text).
 """
 
 from jaxtrain.planner.estimate import USABLE_HBM, Estimate, Memory, estimate, fits_with
-from jaxtrain.planner.measure import Measured, measure
+from jaxtrain.planner.hardware import target_for
+from jaxtrain.planner.measure import CompilerRefused, Measured, measure
 from jaxtrain.planner.report import format_estimate, plan_report
 from jaxtrain.planner.transfers import Transfer, comm_by_axes
 
 __all__ = [
     "USABLE_HBM",
+    "CompilerRefused",
     "Estimate",
     "Measured",
     "Memory",
@@ -31,4 +34,5 @@ __all__ = [
     "format_estimate",
     "measure",
     "plan_report",
+    "target_for",
 ]

@@ -8,25 +8,39 @@ from collections.abc import Sequence
 
 import jax
 
-from jaxtrain.analysis.chips import CHIPS, ChipError, chip, chip_for_device_kind
+from jaxtrain.analysis.chips import CHIPS, Chip, ChipError, chip, chip_for_device_kind
+from jaxtrain.aot.targets import Target, TargetError
 from jaxtrain.formatting import fmt_bytes, format_table
 from jaxtrain.planner.estimate import USABLE_HBM, Estimate, Memory, estimate, fits_with
-from jaxtrain.planner.measure import Measured, measure
+from jaxtrain.planner.hardware import AUTO, target_for
+from jaxtrain.planner.measure import CompilerRefused, Measured, measure
 from jaxtrain.planner.transfers import Transfer, comm_by_axes
 from jaxtrain.registry import resolve_model
 from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.mesh import parse_layout
 
 
-def plan_report(cfg: RunConfig, chip_name: str | None, devices: int | None, check: bool = True) -> str:
+def plan_report(
+    cfg: RunConfig, chip_name: str | None, devices: int | None, check: bool = True, aot_topology: str | None = None
+) -> str:
     """What `jaxtrain plan` prints: the estimate for `devices` chips called `chip_name` (default: this machine's
-    chips and count, or the layout's fixed size), the changes that would make it fit, and, when this process has
-    enough devices and `check`, the compiled step's figures beside the estimates.
+    chips and count, or the layout's fixed size), the changes that would make it fit, and, when `check`, the
+    compiled step's figures beside the estimates: compiled on this process's devices when it has enough, or, with
+    `aot_topology` (a TPU topology or GPU node such as 'v5p:4x4x4', 'h100:8', or 'auto': see
+    `jaxtrain.planner.hardware.target_for`), by that hardware's compiler on compile-only devices, with the
+    compiler's memory figures and a fit verdict from them.
 
-    >>> cfg = apply_overrides(default_config("gpt-1b"), ["mesh=tpu-v5p-256", "batch_size=512"])  # doctest: +SKIP
+    >>> cfg = apply_overrides(default_config("gpt-1b"), ["mesh=tpu-v5p-512", "batch_size=512"])  # doctest: +SKIP
     >>> print(plan_report(cfg, "v5p", 256))                                                      # doctest: +SKIP
+    >>> print(plan_report(cfg, None, None, aot_topology="v5p:4x8x8"))  # needs libtpu             # doctest: +SKIP
     """
     layout = parse_layout(cfg.mesh)
+    if aot_topology is not None:
+        if not check:
+            raise TargetError(f"--no-check skips the compile --aot-topology {aot_topology} asks for: drop one.")
+        target = target_for(layout, aot_topology, chip_name, devices)  # before anything else starts JAX
+        est = estimate(cfg, target.chip, len(target.devices), layout)
+        return _with_check(est, *_target_check(cfg, est, target))
     if devices is None:
         fixed = -1 not in layout.axes.values()
         devices = math.prod([*layout.axes.values(), *layout.dcn_axes.values()]) if fixed else jax.device_count()
@@ -34,18 +48,76 @@ def plan_report(cfg: RunConfig, chip_name: str | None, devices: int | None, chec
     if spec is None:
         raise ChipError(f"say which chip to plan for with --chip: one of {', '.join(CHIPS)}.")
     est = estimate(cfg, spec, devices, layout)
-    measured, note = None, ""
+    return _with_check(est, *_local_check(cfg, est, check))
+
+
+def _local_check(cfg: RunConfig, est: Estimate, check: bool) -> tuple[Measured | None, list[str]]:
+    """The step compiled on this process's devices, when it has enough."""
     if not check:
-        note = "check: skipped (--no-check)"
-    elif devices > jax.device_count():
-        note = (
-            f"check: not compiled: the mesh has {devices} devices, this process {jax.device_count()} "
-            f"(--simulated-devices {devices} compiles it on that many CPU devices)"
-        )
-    else:
-        measured = measure(cfg, jax.devices()[:devices])
-        note = f"check: compiled the train step on {devices} {measured.platform} devices (figures beside the estimates)"
-    return format_estimate(est, fits_with(est), measured) + "\n" + note
+        return None, ["check: skipped (--no-check)"]
+    if est.devices > jax.device_count():
+        return None, [
+            f"check: not compiled: the mesh has {est.devices} devices, this process {jax.device_count()} "
+            f"(--simulated-devices {est.devices} compiles it on that many CPU devices, --aot-topology {AUTO} with "
+            "the chip's own compiler)"
+        ]
+    measured = measure(cfg, jax.devices()[: est.devices])
+    where = f"on {est.devices} {measured.platform} devices"
+    return measured, [f"check: {_compiled(measured, where)} (figures beside the estimates)"]
+
+
+def _with_check(est: Estimate, measured: Measured | None, check: Sequence[str]) -> str:
+    return "\n".join([format_estimate(est, fits_with(est), measured), *check])
+
+
+def _target_check(cfg: RunConfig, est: Estimate, target: Target) -> tuple[Measured | None, list[str]]:
+    """The step compiled for `target`: the compiler's memory per device and the fit verdict from it, or the
+    compiler's refusal."""
+    try:
+        m = measure(cfg, target.devices)
+    except CompilerRefused as refused:
+        return None, [
+            f"check: the {refused.platform.upper()} compiler refused the train step for {target.describe()} after "
+            f"{refused.seconds:.1f} s: {refused.reason}",
+            "compiled verdict: does not fit: the compiler refused it for lack of HBM",
+        ]
+    figures = [
+        ("arguments", m.arguments, ""),
+        ("outputs", m.outputs, f"{fmt_bytes(m.aliased)} of them in donated arguments' buffers"),
+        ("temporaries", m.temporaries, ""),
+        ("live at most", m.peak, "arguments + outputs - donated + temporaries: the fit is judged on this"),
+    ]
+    if m.xla_peak:
+        figures.append(("XLA's peak", m.xla_peak, "the compiler's own estimate"))
+    return m, [
+        f"check: {_compiled(m, f'for {target.describe()}')} (figures beside the estimates)",
+        f"  the {target.platform.upper()} compiler's memory per device",
+        *(f"    {label:<13} {fmt_bytes(b):<10} {why}".rstrip() for label, b, why in figures),
+        f"compiled verdict: {_fit(m.peak, est.chip, 'live')}",
+        f"  {_COMPILER_LIMITS[target.platform]}",
+    ]
+
+
+def _fit(peak: float, spec: Chip, what: str) -> str:
+    """'fits: peak 1.2 GiB of 85.5 GiB usable (90% of v5p's 95.0 GiB HBM), 1% used', or 'does not fit: ...'."""
+    usable = USABLE_HBM * spec.hbm_bytes
+    share = f"{what} {fmt_bytes(peak)} of {fmt_bytes(usable)} usable ({USABLE_HBM:.0%} of {spec.name}'s " + (
+        f"{fmt_bytes(spec.hbm_bytes)} HBM)"
+    )
+    return f"fits: {share}, {peak / usable:.0%} used" if peak <= usable else f"does not fit: {share}"
+
+
+# What the compiler itself says about memory, and so what the compiled verdict rests on.
+_COMPILER_LIMITS = {
+    "tpu": "the TPU compiler accepted it: it refuses a program larger than the chip's HBM",
+    "gpu": "the verdict is jaxtrain's: XLA:GPU compiles a program larger than the GPU's memory without complaint",
+}
+
+
+def _compiled(measured: Measured, where: str) -> str:
+    """'compiled the train step for <where> in 3.1 s', or that JAX's compilation cache supplied it."""
+    how = "read the compiled train step from JAX's compilation cache" if measured.cached else "compiled the train step"
+    return f"{how} {where} in {measured.compile_s:.1f} s"
 
 
 def format_estimate(
@@ -92,11 +164,9 @@ def _time_lines(est: Estimate) -> list[str]:
 
 
 def _verdict(est: Estimate, changes: Sequence[tuple[str, Estimate]]) -> list[str]:
-    usable, peak = USABLE_HBM * est.chip.hbm_bytes, est.memory.peak
-    share = f"peak {fmt_bytes(peak)} of {fmt_bytes(usable)} usable ({USABLE_HBM:.0%} of {est.chip.name}'s HBM)"
+    lines = [f"verdict: {_fit(est.memory.peak, est.chip, 'peak')}"]
     if est.fits:
-        return [f"verdict: fits: {share}, {peak / usable:.0%} used"]
-    lines = [f"verdict: does not fit: {share}"]
+        return lines
     if not changes:
         return [*lines, "  no change tried fits (more FSDP, remat, gradient accumulation): use more chips"]
     lines.append("  changes that fit, re-estimated (fastest first):")

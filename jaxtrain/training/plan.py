@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.analysis.memory import device_bytes, total_bytes, tree_device_bytes
+from jaxtrain.aot.targets import compiling_for
 from jaxtrain.formatting import fmt_bytes, format_table
 from jaxtrain.parallel.pipeline import StageLayout
 from jaxtrain.parallel.updates import UpdatePolicy
@@ -122,7 +123,9 @@ class Plan:
             out_shardings=out_shardings,
             donate_argnums=(0,) if donate_state else (),
         )
-        return jitted.lower(*abstract_args).compile()
+        lowered = jitted.lower(*abstract_args)
+        with compiling_for(self.mesh.devices.flat):  # compile-only devices (jaxtrain.aot) skip the persistent cache
+            return lowered.compile()
 
     def params_in_model_order(self, params: PyTree) -> PyTree:
         """Params (or gradients) as the model defines them, whatever the pipeline layout stores."""

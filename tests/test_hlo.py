@@ -83,6 +83,30 @@ def test_a_loop_whose_counter_is_not_constant_counts_once_and_says_so():
     assert runs["body"] == 1 and uncounted == {"body"}
 
 
+def test_collectives_in_a_boolean_conditional_run_with_the_loop_around_it():
+    # The GPU compiler prints a two-way conditional (a pipeline tick's branch) with true_/false_computation.
+    branch = """
+%on_true (t: bf16[1,32,768]) -> bf16[1,32,768] {
+  %t = bf16[1,32,768]{2,1,0} parameter(0)
+  ROOT %all-reduce.9 = bf16[1,32,768]{2,1,0} all-reduce(%t), channel_id=9, replica_groups=[4,2]<=[8], \
+use_global_device_ids=true, to_apply=%add
+}
+
+%on_false (f: bf16[1,32,768]) -> bf16[1,32,768] {
+  ROOT %f = bf16[1,32,768]{2,1,0} parameter(0)
+}
+""".replace("\\\n", "")
+    text = loop().replace(
+        "  %constant.425",
+        "  %pred.1 = pred[] constant(true)\n  %conditional.1 = bf16[1,32,768]{2,1,0} conditional(%pred.1, "
+        "%get-tuple-element.1, %get-tuple-element.1), true_computation=%on_true, false_computation=%on_false\n"
+        "  %constant.425",
+    )
+    text = text.replace("\n%cond ", branch + "\n%cond ")
+    reduce = next(c for c in collectives(text) if c.kind == "all-reduce")
+    assert reduce.executions == 12 and reduce.computation == "on_true"
+
+
 def test_async_collectives_take_the_shapes_of_their_done():
     # The CUDA plugin's all-reduce-start returns (operands, results); the -done holds the results alone.
     text = """HloModule m, num_partitions=8

@@ -1,7 +1,8 @@
 """Plan a run for hardware this machine does not have: per-device memory, collectives per step and a roofline step
-time for a model, a mesh layout of any size and a chip, from abstract shapes alone (nothing is allocated or
-compiled). Where enough devices exist, or for a TPU topology or GPU node this machine lacks (`target_for`, with
-libtpu or the CUDA plugin), `measure` compiles the real train step to check the estimate.
+time for a model, a mesh layout of any size and a chip, from abstract shapes (nothing is allocated; a pipeline's
+stage balancing compiles one layer and the head on this machine to weigh them). Where enough devices exist, or for
+a TPU topology or GPU node this machine lacks (`target_for`, with libtpu or the CUDA plugin), `measure` compiles
+the real train step to check the estimate.
 
     >>> from jaxtrain.planner import estimate, fits_with, format_estimate, plan_report
     >>> cfg = apply_overrides(default_config("gpt-1b"), ["mesh=tpu-v5p-256", "batch_size=512", "seq_len=2048"])
@@ -9,9 +10,11 @@ libtpu or the CUDA plugin), `measure` compiles the real train step to check the 
     >>> print(format_estimate(est, fits_with(est)))                           # doctest: +SKIP
     >>> print(plan_report(cfg, "v5p", 256))       # the same, as `jaxtrain plan` prints it   # doctest: +SKIP
 
-Modules, each importing only those above it: `transfers` (a collective), `layouts` (what a device holds of a traced
-value), `weights` (how params are gathered and their gradients reduced), `tracing` (the step's jaxpr read for
-residuals, FLOPs and collectives), `estimate` (memory, time, verdict, `fits_with`), `hardware` (the compile-only
+Modules, each importing only those above it: `transfers` (a collective), `tiling` (an array's bytes in a chip's
+memory), `layouts` (what a device holds of a traced value), `residuals` (which of autodiff's residuals a compiler
+holds), `weights` (how params are gathered and their gradients reduced, in the dtype they are used in), `tracing`
+(the step's jaxpr read for residuals, FLOPs and collectives), `stages` (a pipelined step from the schedule's tick
+table), `estimate` (memory, time, verdict, `fits_with`), `hardware` (the compile-only
 devices a run is checked on), `measure` (the compiled check), `report` (the text).
 """
 

@@ -374,17 +374,10 @@ BY_NAME = {case.name: case for case in CASES}
 # GPU programs run a pipeline tick's forward and backward in two-branch conditionals, which the HLO prints with
 # true_computation=/false_computation=; analysis.hlo follows only branch_computations=, so it counts what those
 # branches send once per step, not once per tick. The cases compile; their checks fail (on the tensor all-reduces).
-UNCOUNTED_CONDITIONALS = pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="analysis.hlo does not follow true_computation=/false_computation="
-)
-KNOWN_FAILURES = {("gpu", case.name): UNCOUNTED_CONDITIONALS for case in CASES if case.check is pipelined}
-
-
 def matrix():
     for case in CASES:
         for target in case.on:
             marks = [] if target in case.fast else [pytest.mark.slow]
-            marks += [KNOWN_FAILURES[target, case.name]] if (target, case.name) in KNOWN_FAILURES else []
             yield pytest.param(target, case, id=f"{target}-{case.name}", marks=marks)
 
 

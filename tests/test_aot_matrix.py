@@ -12,7 +12,9 @@ The compilers write some transfers in more than one form, and each check accepts
 - Two TPU slices: the program is one slice's, and what crosses DCN is not an HLO collective but megascale sends,
   which `analysis.hlo` reads as collectives between the slices (`via` DCN).
 
-The default suite compiles a few gpt-tiny cases per platform (`Case.fast`); the rest of the matrix is marked slow.
+The whole matrix is in the slow set: with its cases in the default suite, that one long process segfaulted later, in
+a CPU test's device_get (tests/test_updates.py), twice in a fresh clone; the default suite still compiles for TPU and
+GPU in tests/test_aot_plan.py, test_hlo_tpu.py and test_planner_aot.py.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from helpers import aot_run, aot_target
 from jaxtrain.analysis.comm_report import CommReport, axes_of_group, communication_report, program_devices
 from jaxtrain.analysis.hlo import DCN, Collective, collectives
 from jaxtrain.training.setup import Setup
+
+pytestmark = pytest.mark.slow
 
 # Where each case compiles: (target, slices).
 TARGETS = {
@@ -94,7 +98,6 @@ class Case:
     overrides: tuple[str, ...] = ()
     model: str = "gpt-tiny"
     on: tuple[str, ...] = ("tpu", "gpu")  # keys of TARGETS
-    fast: tuple[str, ...] = ()  # the targets on which it runs in the default suite
 
 
 @functools.cache
@@ -325,13 +328,13 @@ def across_hosts(run: Setup, program: Program) -> None:
 PIPELINE = "pipeline=2,data=2,tensor=2"
 CASES = [
     Case("data", "data=8", data_parallel),
-    Case("fsdp", "fsdp=8", fsdp, fast=("tpu",)),
+    Case("fsdp", "fsdp=8", fsdp),
     Case("fsdp-bf16-remat", "fsdp=8", fsdp, ("dtype=bfloat16", "remat=full")),
     Case("tensor", "data=2,tensor=4", tensor_only),
-    Case("3d", "data=2,fsdp=2,tensor=2", three_d, fast=("tpu", "gpu")),
+    Case("3d", "data=2,fsdp=2,tensor=2", three_d),
     Case("3d-accum-bf16", "data=2,fsdp=2,tensor=2", three_d, ("grad_accum=2", "dtype=bfloat16", "remat=save_dots")),
     Case("gpipe", PIPELINE, pipelined, ("schedule=gpipe", "microbatches=4")),
-    Case("1f1b", PIPELINE, pipelined, ("schedule=1f1b", "microbatches=4"), fast=("tpu",)),
+    Case("1f1b", PIPELINE, pipelined, ("schedule=1f1b", "microbatches=4")),
     Case("1f1b-stash-inputs", PIPELINE, pipelined, ("schedule=1f1b", "microbatches=4", "pipeline_stash=inputs")),
     Case(
         "interleaved", PIPELINE, pipelined, ("schedule=interleaved", "virtual_stages=2", "n_layers=4", "microbatches=4")
@@ -344,7 +347,7 @@ CASES = [
     ),
     Case("fused", "data=8", fused, ("grad_sync=fused",)),
     # The GPU compiler takes 100-200 s over an explicit sync of gpt-tiny here: ring-bf16 compiles the ring for both.
-    Case("ring", "data=8", explicit_sync, ("grad_sync=ring",), on=("tpu",), fast=("tpu",)),
+    Case("ring", "data=8", explicit_sync, ("grad_sync=ring",), on=("tpu",)),
     Case("ring-bf16", "data=8", explicit_sync, ("grad_sync=ring", "grad_compression=bf16")),
     Case("hierarchical", "replica=2,data=4", explicit_sync, ("grad_sync=hierarchical",)),
     Case("parameter-server", "data=8", explicit_sync, ("grad_sync=parameter_server", "ps_servers=2")),
@@ -377,8 +380,7 @@ BY_NAME = {case.name: case for case in CASES}
 def matrix():
     for case in CASES:
         for target in case.on:
-            marks = [] if target in case.fast else [pytest.mark.slow]
-            yield pytest.param(target, case, id=f"{target}-{case.name}", marks=marks)
+            yield pytest.param(target, case, id=f"{target}-{case.name}")
 
 
 @pytest.mark.parametrize("target,case", list(matrix()))

@@ -184,28 +184,22 @@ def _gpu_target(name: str, chip_name: str, dims: Sequence[int]) -> Target:
 
 
 @contextlib.contextmanager
-def compiling_for(devices: Sequence) -> Iterator[dict]:
-    """Around a compile for `devices`, giving the compiler options to compile with. For compile-only devices JAX's
-    persistent compilation cache is off, since it would write the program and never read it back ("PjRtCompiler must
-    be constructed with a Client to call DeserializeLoadedExecutable", a warning, then a full compile); the cache
-    decides once per process whether it is in use, so it is reset around the change. For compile-only GPUs the
-    autotuner is off: with no GPU to time kernels on it only costs time (gpt-tiny with a ring all-reduce on h100:8:
-    137 s with it, 71 s without, the same memory figures). Real devices compile as usual.
-
-    >>> with compiling_for(devices) as options:       # doctest: +SKIP
-    ...     compiled = jax.jit(f).lower(x).compile(compiler_options=options)
-    """
+def compiling_for(devices: Sequence) -> Iterator[None]:
+    """Around a compile for `devices`: for compile-only devices, JAX's persistent compilation cache is off, since it
+    would write the program and never read it back ("PjRtCompiler must be constructed with a Client to call
+    DeserializeLoadedExecutable", a warning, then a full compile). Real devices compile as usual. The cache decides
+    once per process whether it is in use, so it is reset around the change."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
     if devices[0] in jax.devices():
-        yield {}
+        yield
         return
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     try:
-        yield {"xla_gpu_autotune_level": 0} if devices[0].platform == "gpu" else {}
+        yield
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
         compilation_cache.reset_cache()

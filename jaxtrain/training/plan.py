@@ -124,8 +124,8 @@ class Plan:
             donate_argnums=(0,) if donate_state else (),
         )
         lowered = jitted.lower(*abstract_args)
-        with compiling_for(self.mesh.devices.flat) as options:  # compile-only devices (jaxtrain.aot) differ
-            return lowered.compile(compiler_options=options)
+        with compiling_for(self.mesh.devices.flat):  # compile-only devices (jaxtrain.aot) skip the persistent cache
+            return lowered.compile()
 
     def params_in_model_order(self, params: PyTree) -> PyTree:
         """Params (or gradients) as the model defines them, whatever the pipeline layout stores."""

@@ -19,7 +19,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.analysis.memory import device_bytes, total_bytes, tree_device_bytes
-from jaxtrain.aot.targets import compiling_for
 from jaxtrain.formatting import fmt_bytes, format_table
 from jaxtrain.parallel.pipeline import StageLayout
 from jaxtrain.parallel.updates import UpdatePolicy
@@ -124,8 +123,7 @@ class Plan:
             donate_argnums=(0,) if donate_state else (),
         )
         lowered = jitted.lower(*abstract_args)
-        with compiling_for(self.mesh.devices.flat):  # compile-only devices (jaxtrain.aot) skip the persistent cache
-            return lowered.compile()
+        return lowered.compile()
 
     def params_in_model_order(self, params: PyTree) -> PyTree:
         """Params (or gradients) as the model defines them, whatever the pipeline layout stores."""

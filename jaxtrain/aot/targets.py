@@ -16,14 +16,13 @@ a program larger than the device's memory, so callers compare the footprint with
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.resources
 import importlib.util
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from jaxtrain.analysis.chips import CHIPS, Chip
 from jaxtrain.errors import UserInputError
@@ -181,25 +180,3 @@ def _gpu_target(name: str, chip_name: str, dims: Sequence[int]) -> Target:
             "Make GPU targets before JAX runs anything else in the process, or set JAX_PLATFORMS=cpu."
         ) from None
     return Target(name, "gpu", CHIPS[chip_name], tuple(topology.devices), hosts)
-
-
-@contextlib.contextmanager
-def compiling_for(devices: Sequence) -> Iterator[None]:
-    """Around a compile for `devices`: for compile-only devices, JAX's persistent compilation cache is off, since it
-    would write the program and never read it back ("PjRtCompiler must be constructed with a Client to call
-    DeserializeLoadedExecutable", a warning, then a full compile). Real devices compile as usual. The cache decides
-    once per process whether it is in use, so it is reset around the change."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    if devices[0] in jax.devices():
-        yield
-        return
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
-        compilation_cache.reset_cache()

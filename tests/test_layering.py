@@ -4,7 +4,7 @@
       < analysis, sharding, data  < parallel  < run_config  < training  < planner  < cli and the public API
 
 No module imports one of a higher layer, no two modules import each other through any chain, the library never
-imports `models`, `scripts` or `tests`, models import only the sharding helpers and the config field checks, and
+imports `models`, `scripts` or `tests`, models import only the sharding helpers, the kernels of `jaxtrain.ops` and the config field checks, and
 the planner never imports the training loop or what only the loop uses.
 """
 
@@ -27,13 +27,21 @@ LAYERS = {
     "jaxtrain.sharding": 1,
     "jaxtrain.data": 1,
     "jaxtrain.parallel": 2,
+    "jaxtrain.ops": 2,
     "jaxtrain.run_config": 3,
     "jaxtrain.training": 4,
     "jaxtrain.planner": 5,
+    "jaxtrain.inference": 5,
     "jaxtrain.cli": 6,
     "jaxtrain": 6,  # the public API, jaxtrain/__init__.py
 }
-MODEL_IMPORTS = {"jaxtrain.sharding.constraints", "jaxtrain.settings", "jaxtrain.errors"}
+MODEL_IMPORTS = {
+    "jaxtrain.sharding.constraints",
+    "jaxtrain.settings",
+    "jaxtrain.errors",
+    "jaxtrain.ops.attention",
+    "jaxtrain.ops.cross_entropy",
+}
 LOOP_ONLY = {  # what the planner must not reach: the loop and the runtime around it
     "jaxtrain.training.loop",
     "jaxtrain.training.recovery",

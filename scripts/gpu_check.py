@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py                      # every variant below; results to $OUT/gpu_check.json
     python scripts/gpu_check.py --variants b8-s2048 --steps 20
+    JAX_PLATFORMS=cpu python scripts/gpu_check.py --model llama-tiny --attention reference --variants b8-s2048 --steps 1
 
 For each variant (batch x sequence length x remat policy) it compiles the train step, runs warm-up steps, then times
 `--steps` steps and reports step time, tokens/s, MFU against the chip's dense bf16 peak (jaxtrain.analysis.chips;
@@ -34,17 +35,17 @@ VARIANTS = {
 }
 
 
-def measure(name: str, overrides: list[str], steps: int) -> dict:
+def measure(name: str, overrides: list[str], steps: int, model: str, attention: str) -> dict:
     import jax
 
     from jaxtrain.analysis.flops import peak_flops
     from jaxtrain.run_config import apply_overrides, default_config
-    from jaxtrain.training.setup import setup
+    from jaxtrain.training.setup import build
 
     cfg = apply_overrides(
-        default_config("llama-1b"), ["attention=cudnn", "data.source=synthetic", "mesh=data=-1", *overrides]
+        default_config(model), [f"attention={attention}", "data.source=synthetic", "mesh=data=-1", *overrides]
     )
-    run = setup(cfg, log=lambda *_: None, devices=jax.devices()[:1])
+    run = build(cfg, log=lambda *_: None, devices=jax.devices()[:1])
     state = run.plan.init_state(run.optimizer, 0)
     batch = run.batch("train", 0)
     start = time.perf_counter()
@@ -78,6 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--model", default="llama-1b", help="e.g. llama-tiny for a smoke test on CPU")
+    parser.add_argument("--attention", default="cudnn", help="e.g. reference for a smoke test on CPU")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
     args = parser.parse_args()
 
@@ -89,7 +92,7 @@ def main() -> None:
     report = {"jax": jax.__version__, "devices": [d.device_kind for d in jax.devices()], "results": []}
     for name in args.variants.split(","):
         try:
-            result = measure(name, VARIANTS[name], args.steps)
+            result = measure(name, VARIANTS[name], args.steps, args.model, args.attention)
         except Exception as err:  # one variant out of memory must not lose the others' figures
             result = {"variant": name, "error": f"{type(err).__name__}: {err}"[:2000], "trace": traceback.format_exc()}
         report["results"].append(result)

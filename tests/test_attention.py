@@ -71,6 +71,11 @@ def value_and_grads(fn, mask: str, q, k, v, cotangent):
     return [np.asarray(x) for x in (out, *grads)]
 
 
+def vjp_loss(fn, cotangent):
+    """<fn(q, k, v), cotangent>: its gradient is the vector-Jacobian product of `fn`."""
+    return lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent)
+
+
 @functools.cache
 def reference_results(mask: str) -> list[np.ndarray]:
     return value_and_grads(functools.partial(attention, implementation="reference"), mask, *inputs())
@@ -125,6 +130,33 @@ def test_equals_reference_under_tensor_and_data_parallelism(impl, mesh):
     """data2-tensor4 splits 4 query heads over tensor=4 but cannot split 2 kv heads: they stay replicated."""
     got = sharded_value_and_grads(impl, *MESHES[mesh])
     assert_gradients_close(got, reference_results("both"), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "impl, check_vma", [("splash", False), pytest.param("chunked-32", True, marks=pytest.mark.slow)]
+)
+def test_equals_reference_inside_a_pipeline_stage(impl, check_vma):
+    """Inside a shard_map manual over `pipeline` (as the pipeline schedules run layers), the kernels' own
+    shard_map covers the other axes; chunked's loop carries also type-check (check_vma=True)."""
+    mesh = build_mesh(parse_inline("pipeline=2,data=2,tensor=2"))
+    segments = documents()
+
+    def stage(q, k, v):  # one stage's slice: leading dim 1
+        with activation_sharding(mesh, KV_ON_TENSOR):
+            return IMPLS[impl](q[0], k[0], v[0], segment_ids=segments, sliding_window=WINDOW)[None]
+
+    @jax.vmap
+    def reference(q, k, v):
+        return attention(q, k, v, implementation="reference", segment_ids=segments, sliding_window=WINDOW)
+
+    staged = jax.shard_map(
+        stage, mesh=mesh, in_specs=PartitionSpec("pipeline"), out_specs=PartitionSpec("pipeline"),
+        axis_names={"pipeline"}, check_vma=check_vma,
+    )  # fmt: skip
+    q, k, v, cotangent = (jnp.stack(pair) for pair in zip(inputs(), inputs(seed=1)))
+    grads = [jax.jit(jax.grad(vjp_loss(fn, cotangent), argnums=(0, 1, 2)))(q, k, v) for fn in (staged, reference)]
+    got, want = ([np.asarray(g) for g in pair] for pair in grads)
+    assert_gradients_close(got, want, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

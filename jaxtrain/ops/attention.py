@@ -38,7 +38,7 @@ IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash", "chunked")
 #   B=1 H=8 G=4 K=64:  T=64 .0014/.0013, 128 .0056/.0022, 256 .0165/.0096, 512 .212/.085, 1024 .66/.40, 4096 11.4/3.0
 #   B=8 H=4 G=2 K=16:  T=64 .0018/.0019, 128 .010/.015, 256 .026/.044, 512 .33/.37, 1024 1.53/.99, 2048 5.9/2.7
 # Below 512 the winner depends on the head shape and the margins are small; from 512 on chunked wins or nearly ties,
-# and from 1024 on it wins by 1.5-4x (and its memory stays linear). The command is in docs/attention.md.
+# and from 1024 on it wins by 1.5-4x (and its memory stays linear). How it was timed: docs/attention.md.
 CPU_CHUNKED_FROM_SEQ = 512
 CHUNK = 512  # `chunked` block length: (B, H, 512, 512) float32 scores per block pair
 _SPLASH_BLOCK = 128  # the splash kernel's blocks are multiples of the TPU's 128 lanes
@@ -388,7 +388,7 @@ def _flash_forward(window, q, k, v, segments) -> tuple[jax.Array, jax.Array]:
             return new_top, total, acc * rescale[..., None] + values
 
         rows = q.shape[1:-1]
-        init = (jnp.full(rows, _MASKED), jnp.zeros(rows), jnp.zeros(q.shape[1:], jnp.float32))
+        init = _varying_like((jnp.full(rows, _MASKED), jnp.zeros(rows), jnp.zeros(q.shape[1:])), q, k, v, segments)
         top, total, acc = jax.lax.fori_loop(_first_key_block(i, window, block), i + 1, visit, init)
         return (acc / total[..., None]).astype(q.dtype), top + jnp.log(total)
 
@@ -420,15 +420,23 @@ def _flash_bwd(window, residuals, d_out):
             dq = dq.at[i].add(_einsum32("bgjqs,bgsk->bgjqk", d_scores, k[j]))
             return dk, dv, dq
 
-        zeros = jnp.zeros(k.shape[1:], jnp.float32)
+        zeros = _varying_like(jnp.zeros(k.shape[1:]), q, k, v, segments, d_out)
         dk, dv, dq = jax.lax.fori_loop(j, _last_query_block(j, window, block, count) + 1, visit, (zeros, zeros, dq))
         return dq, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(count))
+    dq = _varying_like(jnp.zeros(q.shape), q, k, v, segments, d_out)
+    dq, (dk, dv) = jax.lax.scan(key_block, dq, jnp.arange(count))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _varying_like(init, *arrays):
+    """`init` typed as varying over every manual mesh axis that `arrays` vary over: inside a shard_map (e.g. the
+    pipeline's) a loop's carry must keep the type the body gives it."""
+    axes = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in arrays))))
+    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), init) if axes else init
 
 
 def _block_scores(window, q_block, k_block, q_segments, k_segments, i, j) -> tuple[jax.Array, jax.Array]:

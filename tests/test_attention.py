@@ -244,6 +244,7 @@ def cudnn_found() -> bool:
 
 def test_cudnn_compiles_for_gpu_or_says_what_it_needs():
     """With nvidia-cudnn-cu12 installed the fused kernel is in the HLO; without it the error names the package."""
+    aot_target("h100:8")  # first: the CUDA plugin, once initialised, finds cuDNN on the Python path
     if not cudnn_found():
         with pytest.raises(AttentionError, match="nvidia-cudnn-cu12"):
             compile_on("h100:8", "cudnn", "data=4,tensor=2", segments=False)

@@ -254,9 +254,21 @@ def test_cudnn_compiles_for_gpu_or_says_what_it_needs():
     assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in hlo
 
 
+def test_cudnn_segment_offsets_follow_jax_packed_layout():
+    """The one piece of the cuDNN packed path that runs without a GPU: runs of ids -> (offsets, lengths) as JAX's
+    fused-attention test packs them ([0, 170, 340, -1] and [170, 170, 172] there)."""
+    from jaxtrain.ops.attention import _segment_offsets
+
+    offsets, lengths = _segment_offsets(jnp.asarray([[0, 0, 1, 1, 1, 2], [7, 7, 7, 7, 7, 7]]))
+    np.testing.assert_array_equal(offsets, [[0, 2, 5, -1, -1, -1, -1], [0, -1, -1, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(lengths, [[2, 3, 1, -1, -1, -1], [6, -1, -1, -1, -1, -1]])
+
+
 def test_auto_picks_per_platform_and_length():
     assert resolve_implementation("auto", "tpu", 128) == "splash"
     assert resolve_implementation("auto", "gpu", 128, dtype=jnp.float32) == "xla"  # cuDNN takes bf16/fp16 only
+    # Packed documents need a Hopper GPU, which JAX cannot see from this CPU-only process.
+    assert resolve_implementation("auto", "gpu", 128, dtype=jnp.bfloat16, packed=True) == "xla"
     assert resolve_implementation("auto", "cpu", CPU_CHUNKED_FROM_SEQ - 1) == "reference"
     assert resolve_implementation("auto", "cpu", CPU_CHUNKED_FROM_SEQ) == "chunked"
     for name in IMPLEMENTATIONS[1:]:

@@ -73,7 +73,7 @@ def attention(
     """
     _check_inputs(q, k, v, segment_ids, sliding_window)
     platform = "tpu" if interpret else _platform()
-    chosen = resolve_implementation(implementation, platform, q.shape[1], dtype=q.dtype)
+    chosen = resolve_implementation(implementation, platform, q.shape[1], q.dtype, packed=segment_ids is not None)
     if chosen in ("cudnn", "splash") and platform != {"cudnn": "gpu", "splash": "tpu"}[chosen]:
         need = {"cudnn": "a GPU", "splash": "a TPU"}[chosen]
         raise AttentionError(
@@ -90,12 +90,15 @@ def attention(
     return run(q, k, v, segment_ids, sliding_window)
 
 
-def resolve_implementation(implementation: str, platform: str, seq_len: int, dtype: object = None) -> str:
-    """The implementation `attention` runs for `implementation` on `platform` ("cpu", "gpu", "tpu") at `seq_len`.
+def resolve_implementation(
+    implementation: str, platform: str, seq_len: int, dtype: object = None, packed: bool = False
+) -> str:
+    """The implementation `attention` runs for `implementation` on `platform` ("cpu", "gpu", "tpu") at `seq_len`,
+    for inputs of `dtype` with segment ids or not (`packed`).
 
-    `auto`: cuDNN on GPU (XLA's for float32, which cuDNN does not take, or where cuDNN is not installed, with a
-    warning), splash on TPU, on CPU `reference` below
-    CPU_CHUNKED_FROM_SEQ and `chunked` from there.
+    `auto`: on GPU cuDNN, or XLA's where cuDNN cannot take the inputs (float32; packed documents before Hopper, or
+    compiling ahead of time, where JAX sees no GPU to check) or is not installed, with a warning; splash on TPU; on
+    CPU `reference` below CPU_CHUNKED_FROM_SEQ and `chunked` from there.
 
         >>> resolve_implementation("auto", "cpu", 4096)
         'chunked'
@@ -108,7 +111,7 @@ def resolve_implementation(implementation: str, platform: str, seq_len: int, dty
         return implementation
     if platform == "gpu":
         takes = dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-        return "cudnn" if takes and _cudnn_loadable() else "xla"
+        return "cudnn" if takes and _cudnn_loadable() and (not packed or _cudnn_packs()) else "xla"
     if platform == "tpu":
         return "splash"
     return "reference" if seq_len < CPU_CHUNKED_FROM_SEQ else "chunked"
@@ -230,14 +233,14 @@ def _cudnn_call(fn, *args, **kwargs) -> jax.Array:
     except RuntimeError as error:
         if "cudnn" not in str(error).lower():
             raise
-        raise AttentionError(f"attention implementation 'cudnn': {error} {_CUDNN_INSTALL}") from error
+        raise AttentionError(f"attention implementation 'cudnn': {error} {_CUDNN_INSTALL} Or use 'xla'.") from error
     except NotImplementedError as error:  # JAX's checks of the shape and the GPU against cuDNN's flash attention
         raise AttentionError(
             f"attention implementation 'cudnn' cannot run this: {error} Use 'xla' or 'chunked'."
         ) from error
 
 
-_CUDNN_INSTALL = "The CUDA plugin loads cuDNN from the nvidia-cudnn-cu12 package (jax[cuda12] brings it); or use 'xla'."
+_CUDNN_INSTALL = "The CUDA plugin loads cuDNN from the nvidia-cudnn-cu12 package (jax[cuda12] brings it)."
 
 
 @functools.cache
@@ -253,16 +256,32 @@ def _cudnn_loadable() -> bool:
         return False
 
 
+@functools.cache
+def _cudnn_packs() -> bool:
+    """Whether cuDNN takes packed documents here: JAX asks the live GPU for Hopper or later (compiling ahead of
+    time from a CPU-only process it finds none). Warns once where not, since `auto` then runs XLA's attention."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    if cudnn.check_compute_capability("9.0"):
+        return True
+    warnings.warn(
+        "attention 'auto' on GPU uses 'xla' for packed documents: cuDNN's packed layout needs a Hopper or later GPU "
+        "(and JAX sees none in this process)",
+        stacklevel=3,
+    )
+    return False
+
+
 def _segment_offsets(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cuDNN's packed layout of each row's runs of equal ids: offsets (B, T + 1), each run's first token then T,
-    then -1; lengths (B, T), each run's length, then -1."""
+    """cuDNN's packed layout of each row's runs of equal ids, as JAX's own packed-layout test writes it: offsets
+    (B, T + 1), each run's first token, then -1; lengths (B, T), each run's length, then -1."""
     batch, seq_len = segment_ids.shape
     starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
     runs = starts.sum(axis=1, keepdims=True)  # (B, 1)
     offsets = jax.vmap(lambda row: jnp.nonzero(row, size=seq_len + 1, fill_value=seq_len)[0])(starts)
     lengths = jnp.diff(offsets, axis=1)
     slot = jnp.arange(seq_len + 1)[None]
-    offsets = jnp.where(slot <= runs, offsets, -1)
+    offsets = jnp.where(slot < runs, offsets, -1)
     lengths = jnp.where(slot[:, :seq_len] < runs, lengths, -1)
     return offsets.astype(jnp.int32), lengths.astype(jnp.int32)
 

@@ -186,6 +186,8 @@ def test_masked_attention_serves_a_kv_cache():
     slots, positions = jnp.arange(12), jnp.arange(7, 10)
     mask = jnp.broadcast_to(slots[None, :] <= positions[:, None], (BATCH, 3, 12))
     np.testing.assert_allclose(jax.jit(masked_attention)(q[:, 7:10], k, v, mask), full[:, 7:10], atol=1e-6)
+    with pytest.raises(AttentionError, match=r"mask \(2, 3, 11\) must be \(batch or 1, queries, keys\)"):
+        masked_attention(q[:, 7:10], k, v, mask[:, :, :11])
 
 
 def grad_temp_bytes(impl: str, seq: int) -> int:

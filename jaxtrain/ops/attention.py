@@ -46,6 +46,7 @@ _MASKED = -1e30  # finite, so a fully masked row gives zeros, not NaN, in the on
 _Q = ("batch", None, "heads", None)  # q and the output on each device: the sequence and head dim stay whole
 _KV = ("batch", None, "kv_heads", None)
 _SEGMENTS = ("batch", None)
+_KERNEL_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}  # the kernels that run on one platform only
 
 
 # Products accumulate in float32 whatever the inputs' dtype (the softmax statistics are float32).
@@ -74,10 +75,10 @@ def attention(
     _check_inputs(q, k, v, segment_ids, sliding_window)
     platform = "tpu" if interpret else _platform()
     chosen = resolve_implementation(implementation, platform, q.shape[1], q.dtype, packed=segment_ids is not None)
-    if chosen in ("cudnn", "splash") and platform != {"cudnn": "gpu", "splash": "tpu"}[chosen]:
-        need = {"cudnn": "a GPU", "splash": "a TPU"}[chosen]
+    needs = _KERNEL_PLATFORM.get(chosen, platform)
+    if needs != platform:
         raise AttentionError(
-            f"attention implementation '{chosen}' needs {need}, but this program runs on {platform}. Use "
+            f"attention implementation '{chosen}' needs a {needs.upper()}, but this program runs on {platform}. Use "
             f"'auto' (picks per backend), 'chunked', 'xla' or 'reference'."
         )
     run = {
@@ -118,13 +119,18 @@ def resolve_implementation(
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Attention of q (B, Tq, H, K) over k, v (B, Tk, G, K) where mask (B, Tq, Tk) is True -> (B, Tq, H, K).
+    """Attention of q (B, Tq, H, K) over k, v (B, Tk, G, K) where mask (B or 1, Tq, Tk) is True -> (B, Tq, H, K).
 
     For decoding with a KV cache (Tq new tokens against Tk cache slots). A query whose mask row is all False gets
     the mean of the values (never NaN); give every query at least one key.
     """
     batch, q_len, heads, head_dim = q.shape
     groups = k.shape[2]
+    _check_heads(heads, groups)
+    if mask.shape not in ((batch, q_len, k.shape[1]), (1, q_len, k.shape[1])):
+        raise AttentionError(
+            f"mask {mask.shape} must be (batch or 1, queries, keys) = ({batch} or 1, {q_len}, {k.shape[1]})."
+        )
     q = q.reshape(batch, q_len, groups, heads // groups, head_dim)  # (B, Tq, G, H/G, K): no repeated k/v
     scores = _einsum32("btgjk,bsgk->bgjts", q, k) / math.sqrt(head_dim)
     scores = jnp.where(mask[:, None, None], scores, _MASKED)  # (B, G, H/G, Tq, Tk)
@@ -158,15 +164,19 @@ def _check_inputs(q, k, v, segment_ids, sliding_window) -> None:
     (batch, seq_len, heads, head_dim), groups = q.shape, k.shape[2]
     if k.shape[:2] != (batch, seq_len) or k.shape[3] != head_dim:
         raise AttentionError(f"k/v {k.shape} do not match q {q.shape} in batch, sequence or head dim.")
+    _check_heads(heads, groups)
+    if segment_ids is not None and segment_ids.shape != (batch, seq_len):
+        raise AttentionError(f"segment_ids {segment_ids.shape} must be (batch, seq) = {(batch, seq_len)}.")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise AttentionError(f"sliding_window {sliding_window!r} must be a positive int (tokens seen) or None.")
+
+
+def _check_heads(heads: int, groups: int) -> None:
     if heads % groups:
         raise AttentionError(
             f"{groups} kv heads do not divide {heads} query heads: grouped-query attention needs n_kv_heads to "
             f"divide n_heads (e.g. {', '.join(str(g) for g in range(1, heads + 1) if heads % g == 0)})."
         )
-    if segment_ids is not None and segment_ids.shape != (batch, seq_len):
-        raise AttentionError(f"segment_ids {segment_ids.shape} must be (batch, seq) = {(batch, seq_len)}.")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise AttentionError(f"sliding_window {sliding_window!r} must be a positive int (tokens seen) or None.")
 
 
 def _platform() -> str:

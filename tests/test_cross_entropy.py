@@ -99,8 +99,9 @@ def test_weights_default_to_counting_every_token():
 
 
 def test_default_chunk_bounds_the_logits_of_a_chunk():
-    assert default_chunk_len(128_256) == 128 and default_chunk_len(32_000) == 512 and default_chunk_len(256) == 65_536
-    assert default_chunk_len(2**30) == 1
+    assert default_chunk_len(1, 128_256) == 128 and default_chunk_len(4, 128_256) == 32
+    assert default_chunk_len(2, 32_000) == 256 and default_chunk_len(8, 256) == 8192
+    assert default_chunk_len(64, 2**20) == 1
 
 
 @pytest.mark.parametrize(

@@ -174,6 +174,38 @@ def test_sharded_equals_one_device_and_keeps_the_vocabulary_split(layout, device
     )
 
 
+def test_inside_a_partly_manual_shard_map_like_a_pipeline_stage():
+    """Each pipeline stage computes the loss of its own microbatches, the head shared by all: its gradient sums
+    over the stages (the shard_map is manual over `pipeline` only; batch and vocabulary stay split by the rules)."""
+    mesh = build_mesh(parse_layout("pipeline=2,data=2,tensor=2"))
+    hidden, head, targets, weights = inputs(batch=16, seq_len=32, vocab=512)
+    stage = jax.sharding.PartitionSpec("pipeline")
+
+    def mean_over_stages(hidden, head, targets, weights):  # hidden (2, 8, T, D): a microbatch per stage
+        def per_stage(hidden, head, targets, weights):  # hidden (1, 8, T, D)
+            sums = output_cross_entropy(hidden[0], head, targets[0], weights=weights[0], chunk_len=8)
+            return tuple(jax.lax.psum(x, "pipeline") for x in sums)
+
+        specs = (stage, jax.sharding.PartitionSpec(), stage, stage)
+        loss_sum, weight_sum = jax.shard_map(
+            per_stage, mesh=mesh, in_specs=specs, out_specs=(jax.sharding.PartitionSpec(),) * 2, axis_names={"pipeline"}
+        )(hidden, head, targets, weights)
+        return loss_sum / weight_sum
+
+    def step(*args):
+        with activation_sharding(mesh, ShardingRules.default()):
+            return jax.value_and_grad(mean_over_stages, argnums=(0, 1, 3))(*args)
+
+    stages = [x.reshape(2, 8, *x.shape[1:]) for x in (hidden, targets, weights)]
+    got = jax.jit(step)(stages[0], head, *stages[1:])
+    want = value_and_grads(chunked_mean, "dv", 8)(hidden, head, targets, weights)
+
+    def merge_stages(x):  # (2, 8, ...) -> (16, ...); the loss and the head's gradient have no stage dim
+        return x.reshape(-1, *x.shape[2:]) if x.ndim > 2 else x
+
+    assert_trees_close(jax.tree.map(merge_stages, got), want, 1e-5, 1e-6)
+
+
 def test_memory_at_a_real_vocabulary():
     """The issue's acceptance line: vocabulary 128,256, seq 2048, a model of an embedding and the head (D 64)."""
     vocab, seq_len, d_model = 128_256, 2048, 64

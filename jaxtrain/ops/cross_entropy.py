@@ -68,6 +68,7 @@ def output_cross_entropy(
     if chunk_len is None:  # sized by what each device holds
         chunk_len = default_chunk_len(_per_device(hidden.shape[0], "batch"), _per_device(vocab_size, "vocab"))
     chunk_len = min(chunk_len, hidden.shape[1])
+    hidden, head, targets, weights = _varying_together(hidden, head, targets, weights)
     hidden_chunks, target_chunks, weight_chunks = (_as_chunks(x, chunk_len) for x in (hidden, targets, weights))
     return _loss_sum(hidden_chunks, head, target_chunks, weight_chunks, head_layout), jnp.sum(weights)
 
@@ -129,6 +130,7 @@ def _loss_sum_fwd(hidden, head, targets, weights, head_layout):
     # added up after the loop, costs one all-reduce of the head's size; a single accumulator costs one per chunk.
     shards = split_ways("batch")
     head_grad = _per_shard_head_grad(jnp.zeros((shards, *head.shape), jnp.float32), head_layout)
+    head_grad = _varying_together(head_grad, hidden)[0]
 
     def chunk(head_grad, xs):  # h (B, C, D), t and w (B, C)
         h, t, w = xs
@@ -142,6 +144,15 @@ def _loss_sum_fwd(hidden, head, targets, weights, head_layout):
 
     head_grad, (losses, hidden_grad) = jax.lax.scan(chunk, head_grad, (hidden, targets, weights))
     return jnp.sum(weights * losses), (hidden_grad, jnp.sum(head_grad, axis=0).astype(head.dtype), losses)
+
+
+def _varying_together(*arrays: jax.Array) -> list[jax.Array]:
+    """`arrays`, each marked as varying over every manual shard_map axis any of them varies over (inside a pipeline
+    stage the microbatch does, the head does not). Then the custom VJP's cotangents have its inputs' types, and the
+    gradient of a head shared by every stage is summed over them by JAX's transpose of the mark."""
+    varying = [jax.typeof(x).manual_axis_type.varying for x in arrays]
+    axes = set().union(*varying)
+    return [jax.lax.pcast(x, tuple(sorted(axes - v)), to="varying") if axes - v else x for x, v in zip(arrays, varying)]
 
 
 def _per_shard_head_grad(grad: jax.Array, head_layout: HeadLayout) -> jax.Array:

@@ -9,7 +9,7 @@ keeps is d(hidden) and d(head), the sizes of hidden and head. Per chunk the head
 d(hidden), d(head)), as in the plain path, where remat of each chunk would run it four.
 
     >>> loss_sum, weight_sum = output_cross_entropy(hidden, head, targets, weights=mask)  # doctest: +SKIP
-    >>> loss = loss_sum / weight_sum  # mean nats per counted token
+    >>> loss = loss_sum / jnp.maximum(weight_sum, 1.0)  # mean nats per counted token (a batch may count none)
 
 Under tensor parallelism each chunk's logits are constrained to ("batch", "seq", "vocab"), so the vocabulary stays
 split: XLA reduces the softmax's max and sum over the tensor axis (a vocab-parallel softmax). The label's logit is
@@ -35,8 +35,8 @@ _LOGITS = {"dv": "bcd,dv->bcv", "vd": "bcd,vd->bcv"}
 _HIDDEN_GRAD = {"dv": "bcv,dv->bcd", "vd": "bcv,vd->bcd"}
 _HEAD_GRAD = {"dv": "sbcd,sbcv->sdv", "vd": "sbcd,sbcv->svd"}
 # A default chunk holds at most this many logits per device (64 MiB of float32): 128 positions of one row at Llama's
-# 128,256-token vocabulary, 32 of four rows. On CPU (V 32,000-128,256, D 64) chunks of 8-16 M logits ran fastest,
-# 2.3-2.7x faster than the plain path; 4x larger ones 10-30% slower than these.
+# 128,256-token vocabulary, 32 of four rows. On CPU (V 32,000-128,256, D 64, 1-4 rows) chunks of 8-16 M logits ran
+# fastest, 2.2-2.7x faster than the plain path; 4x larger ones 12-29% slower than these.
 CHUNK_LOGITS = 2**24
 
 
@@ -65,6 +65,7 @@ def output_cross_entropy(
     """
     vocab_size = _check_inputs(hidden, head, targets, weights, head_layout, chunk_len)
     weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    targets = targets.astype(jnp.int32)  # compared with an iota over the vocabulary, which uint8 ids would wrap
     if chunk_len is None:  # sized by what each device holds
         chunk_len = default_chunk_len(_per_device(hidden.shape[0], "batch"), _per_device(vocab_size, "vocab"))
     chunk_len = min(chunk_len, hidden.shape[1])

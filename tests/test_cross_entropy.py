@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import aot_target
 from jax.sharding import NamedSharding
 
 from jaxtrain.analysis.hlo import collectives, parse_module
@@ -121,7 +122,7 @@ def test_bad_input_is_named(change, message):
         output_cross_entropy(hidden, head, kwargs.pop("targets"), **kwargs)
 
 
-def sharded_step(mesh, head_layout, shapes, chunk_len):
+def sharded_step(mesh, head_layout, shapes, chunk_len):  # shapes: of hidden, head, targets, weights
     """The chunked loss's jit(value_and_grad) on `mesh`: hidden split like activations, head like a parameter."""
     rules = ShardingRules.default()
     specs = [
@@ -172,6 +173,21 @@ def test_sharded_equals_one_device_and_keeps_the_vocabulary_split(layout, device
         per_chunk
         and max(c.bytes for c in per_chunk) <= 4 * local_batch * chunk_len * d_model < 4 * d_model * local_vocab
     )
+
+
+@pytest.mark.slow  # the TPU compiler takes ~8 s on this 2-core machine
+def test_tpu_gathers_the_fsdp_head_once():
+    """Compiled for v5p:2x2x2 on fsdp=4,tensor=2: no FSDP gather of the head (nor anything head-sized) in every
+    chunk; before the head was gathered ahead of the loop the TPU compiler gathered it in each (XLA:CPU did not)."""
+    target = aot_target("v5p:2x2x2")
+    mesh = build_mesh(parse_layout("fsdp=4,tensor=2"), target.devices)
+    batch, seq_len, d_model, vocab, chunk_len = 8, 512, 256, 8192, 64
+    shapes = [(batch, seq_len, d_model), (d_model, vocab), (batch, seq_len), (batch, seq_len)]
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in zip(shapes, (jnp.bfloat16, jnp.float32, jnp.int32, jnp.float32))]
+    text = sharded_step(mesh, "dv", shapes, chunk_len).lower(*args).compile().as_text()
+    per_chunk = [c for c in collectives(text) if c.executions == seq_len // chunk_len]
+    assert per_chunk and max(c.bytes for c in per_chunk) <= 4 * (batch // 4) * chunk_len * d_model
+    assert not [c for c in collectives(text) if c.kind == "all-gather" and c.executions > 1]
 
 
 def test_inside_a_partly_manual_shard_map_like_a_pipeline_stage():

@@ -36,11 +36,11 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.ops.attention import IMPLEMENTATIONS, attention, masked_attention
+from jaxtrain.ops.cross_entropy import output_cross_entropy
 from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
 from jaxtrain.sharding.constraints import constrain, scan_layers
 
@@ -377,18 +377,17 @@ class GPT(nnx.Module):
         batch["segment_ids"] (B, T + 1), 0 for padding: targets in another document than their input, or padding,
         do not count."""
         tokens, segments = batch["tokens"], batch.get("segment_ids")
-        inputs = None if segments is None else segments[:, :-1]
-        return self.next_token_loss(self(tokens[:, :-1], inputs), tokens, target_weights(segments)), {}
+        hidden = self.hidden(tokens[:, :-1], None if segments is None else segments[:, :-1])
+        return self.next_token_loss(hidden, tokens, target_weights(segments)), {}
 
-    def next_token_loss(self, logits: jax.Array, tokens: jax.Array, weights: jax.Array | None = None) -> jax.Array:
-        """Mean cross-entropy of `logits` (B, T, V) against the next tokens, tokens[:, 1:] (B, T), weighted."""
-        # One-hot rather than integer labels: with the vocabulary split over devices, picking each label's logit
-        # is a gather XLA cannot partition inside the pipeline's partly manual shard_map; a masked sum can.
-        targets = jax.nn.one_hot(tokens[:, 1:], self.cfg.vocab_size, dtype=logits.dtype)
-        losses = optax.softmax_cross_entropy(logits, constrain(targets, ("batch", "seq", "vocab")))
-        if weights is None:
-            return losses.mean()
-        return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+    def next_token_loss(self, hidden: jax.Array, tokens: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+        """Mean cross-entropy, weighted, of the head's logits of `hidden` (B, T, D), the last block's output,
+        against the next tokens, tokens[:, 1:] (B, T). Computed a chunk of positions at a time, so the (B, T, V)
+        logits are never held at once (`jaxtrain.ops.cross_entropy`); equal to the loss of `unembed`'s logits."""
+        x = rms_norm(hidden, self.final_norm[...], self.cfg.norm_eps)
+        weights_matrix, layout = self.head_matrix()
+        total, count = output_cross_entropy(x, weights_matrix, tokens[:, 1:], weights=weights, head_layout=layout)
+        return total / jnp.maximum(count, 1.0)
 
     def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:
         """An empty KV cache for `max_len` positions of `batch_size` rows: {"k", "v"}: (L, B, S, G, K)."""

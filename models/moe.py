@@ -171,16 +171,19 @@ class MoE(GPT):
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """tokens (B, T) -> logits (B, T, V) float32, and each layer's routing statistics (stacked, L first)."""
+        hidden, stats = self.hidden_and_stats(tokens)
+        return self.unembed(hidden), stats
+
+    def hidden_and_stats(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         layer, block_params = self.layer_stack(self.context(tokens.shape[1]))
-        x, stats = jax.lax.scan(layer, self.embed(tokens), block_params)
-        return self.unembed(x), stats
+        return jax.lax.scan(layer, self.embed(tokens), block_params)
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Next-token cross-entropy plus `aux_loss_weight` x the mean auxiliary loss over layers. batch["tokens"]:
         (B, T + 1). Metrics: cross_entropy, aux_loss, expert_load, dropped."""
         tokens = batch["tokens"]
-        logits, stats = self(tokens[:, :-1])
-        cross_entropy = self.next_token_loss(logits, tokens)
+        hidden, stats = self.hidden_and_stats(tokens[:, :-1])
+        cross_entropy = self.next_token_loss(hidden, tokens)
         aux = jnp.mean(stats["aux"])
         load = stats["load"]  # (L, E)
         metrics = {

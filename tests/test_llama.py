@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from helpers import assert_curves_close, assert_gradients_close, cached_run, curve, gradients, make_run
@@ -177,3 +178,45 @@ def test_gradient_accumulation_trains_as_one_device():
     sharded = curve(cached_run("data=2,fsdp=2,tensor=2", overrides, model="llama-tiny"))
     assert_curves_close(sharded, reference)
     assert sharded["loss"][-1] < sharded["loss"][0]
+
+
+def plain_loss(model: GPT, tokens: jax.Array) -> jax.Array:
+    """The loss as it was before chunking: the whole (B, T, V) float32 logits and a one-hot of the same shape."""
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy(logits, jax.nn.one_hot(tokens[:, 1:], logits.shape[-1])).mean()
+
+
+def loss_programs(overrides: tuple[str, ...], tokens_shape: tuple[int, int]):
+    """(model loss, plain loss) as functions of (params, tokens), and the abstract params, of llama-tiny."""
+    cfg = apply_overrides(default_config("llama-tiny"), list(overrides)).model
+    with nnx.use_eager_sharding(False):
+        graph, params = nnx.split(GPT(cfg, nnx.Rngs(0)))
+
+    def chunked(p, tokens):
+        return nnx.merge(graph, p).loss({"tokens": tokens})[0]
+
+    def plain(p, tokens):
+        return plain_loss(nnx.merge(graph, p), tokens)
+
+    return chunked, plain, params
+
+
+@pytest.mark.parametrize("overrides", [(), UNTIED])
+def test_the_chunked_loss_is_the_plain_loss_in_value_and_gradient(overrides):
+    chunked, plain, params = loss_programs((*overrides, "vocab_size=1000"), (2, 65))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (2, 65)))
+    (got, got_grads), (want, want_grads) = (jax.jit(jax.value_and_grad(f))(params, tokens) for f in (chunked, plain))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert_gradients_close(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), rtol=1e-5)
+
+
+def test_the_loss_of_a_real_vocabulary_needs_a_fraction_of_the_memory():
+    """Llama 3's 128,256-token vocabulary at 2048 tokens: the compiled step's temporaries against the plain loss's
+    (which holds float32 logits and a one-hot, 1 GiB each)."""
+    chunked, plain, params = loss_programs(("vocab_size=128256", "n_layers=1"), (1, 2049))
+    tokens = jax.ShapeDtypeStruct((1, 2049), jnp.int32)
+    temp = {
+        name: jax.jit(jax.value_and_grad(f)).lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+        for name, f in (("chunked", chunked), ("plain", plain))
+    }
+    assert temp["chunked"] <= 0.3 * temp["plain"], temp

@@ -37,7 +37,7 @@ from jaxtrain.inference.sampling import Sampling, sample
 from jaxtrain.registry import resolve_model
 from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.constraints import activation_sharding
-from jaxtrain.sharding.mesh import build_mesh, parse_layout
+from jaxtrain.sharding.mesh import MeshLayout, build_mesh, parse_layout
 from jaxtrain.sharding.rules import ShardingRules, logical_to_spec
 from jaxtrain.training.checkpoint import find_checkpoint, restore_params, trained_config
 from jaxtrain.training.distributed import to_host
@@ -130,7 +130,8 @@ class Generator:
     ) -> Generator:
         """The model in checkpoint `path` (a step directory, a params export, or a run directory: its newest step),
         rebuilt from the config it stores, its params restored onto `mesh` (a layout name, inline `data=2,tensor=2`,
-        or a Mesh; default: all `devices` on `data`) with the sharding rules it trained with."""
+        or a Mesh; default: all `devices` on `data`) with the sharding rules it trained with. A layout of a fixed
+        size takes the first that many devices: a few prompts need not occupy a whole host."""
         step_dir, meta = find_checkpoint(path)
         cfg = trained_config(step_dir, meta)
         spec, _ = resolve_model(cfg.model_name)
@@ -140,7 +141,7 @@ class Generator:
                 "language model (task lm, e.g. gpt or llama)."
             )
         layout = parse_layout(mesh if isinstance(mesh, str) else "data=-1")
-        mesh = mesh if isinstance(mesh, Mesh) else build_mesh(layout, devices)
+        mesh = mesh if isinstance(mesh, Mesh) else build_mesh(layout, devices or _layout_devices(layout))
         rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
         plan = generation_plan(
             mesh, rules, split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
@@ -297,15 +298,32 @@ class Generator:
             _, _, _, _, out, _, seen = jax.lax.while_loop(running, one_token, carry)
             return out, seen
 
+    def cache_shardings(self, batch: int, max_len: int) -> dict[str, NamedSharding]:
+        """How the KV cache of `batch` rows and `max_len` slots is laid out: the activation rules applied to the
+        model's `cache_names()` (batch over the data axes, kv heads over `tensor`)."""
+        module = nnx.merge(self.plan.model.graphdef, self.params)
+        shapes = jax.eval_shape(lambda: module.init_cache(batch, max_len))
+        return {name: self._cache_sharding(name, x.shape) for name, x in shapes.items()}
+
+    def _cache_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
+        mesh = self.plan.mesh
+        spec = logical_to_spec(self.cache_names[name], shape, self.plan.rules.activations, mesh, f"KV cache '{name}'")
+        return NamedSharding(mesh, spec)
+
     def _constrain(self, cache: PyTree) -> PyTree:
-        """The KV cache laid out by the activation rules, through the model's names for its dims."""
-        mesh, table = self.plan.mesh, self.plan.rules.activations
+        return {
+            name: jax.lax.with_sharding_constraint(x, self._cache_sharding(name, x.shape)) for name, x in cache.items()
+        }
 
-        def place(name, x):
-            spec = logical_to_spec(self.cache_names[name], x.shape, table, mesh, f"KV cache '{name}'")
-            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-        return {name: place(name, x) for name, x in cache.items()}
+def _layout_devices(layout: MeshLayout) -> list[jax.Device]:
+    """Every device for a layout with a -1 axis, else the first as many as its sizes multiply to (all of them when
+    there are fewer: `build_mesh` then says the layout does not fit)."""
+    devices = jax.devices()
+    if -1 in layout.axes.values():
+        return devices
+    size = math.prod(layout.axes.values()) * math.prod(layout.dcn_axes.values())
+    return devices[:size] if size <= len(devices) else devices
 
 
 def _probe(module: nnx.Module) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, PyTree]:

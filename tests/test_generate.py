@@ -9,6 +9,7 @@ from conftest import shared_file
 from flax import nnx
 from helpers import cached_run
 from jax.sharding import PartitionSpec as P
+from test_checkpoint import run_train
 
 from jaxtrain.cli import main
 from jaxtrain.errors import ConfigError
@@ -28,11 +29,15 @@ MESH = "data=2,tensor=2"
 # Sampling ---------------------------------------------------------------------------------------------------------
 
 
-def draws(logits: np.ndarray, n: int, **settings) -> np.ndarray:
-    """`n` tokens sampled from one row of `logits`, each with its own key: rows of one batch."""
-    batch = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
-    keys = jax.random.split(jax.random.key(0), n)
-    return np.asarray(jax.jit(sample)(batch, keys, *Sampling(**settings).per_row(n)))
+SAMPLE = jax.jit(sample)  # one compile per batch shape; the settings are arguments
+DRAWS = 4000
+
+
+def draws(logits: np.ndarray, **settings) -> np.ndarray:
+    """DRAWS tokens sampled from one row of `logits`, each with its own key: rows of one batch."""
+    batch = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (DRAWS, len(logits)))
+    keys = jax.random.split(jax.random.key(0), DRAWS)
+    return np.asarray(SAMPLE(batch, keys, *Sampling(**settings).per_row(DRAWS)))
 
 
 # Probabilities 0.30 0.25 0.20 0.15 0.10, shuffled over the vocabulary so rank and id differ.
@@ -54,7 +59,7 @@ LOGITS = np.log(np.where(PROBS > 0, PROBS, 1e-12)).astype(np.float32)
     ],
 )
 def test_sampling_draws_exactly_the_allowed_tokens(settings, allowed):
-    drawn = draws(LOGITS, 4000, **settings)
+    drawn = draws(LOGITS, **settings)
     assert set(drawn.tolist()) == allowed  # each allowed token has >= 10% mass: all of them appear in 4000 draws
 
 
@@ -69,20 +74,20 @@ def test_filtered_logits_keep_the_nucleus_and_top_k_by_construction():
 def test_temperature_sharpens_and_greedy_is_the_argmax():
     logits = np.random.default_rng(0).normal(size=(64, 300)).astype(np.float32)
     keys = jax.random.split(jax.random.key(1), 64)
-    greedy = sample(jnp.asarray(logits), keys, *Sampling(temperature=0.0, top_k=5, top_p=0.3).per_row(64))
+    greedy = SAMPLE(jnp.asarray(logits), keys, *Sampling(temperature=0.0, top_k=5, top_p=0.3).per_row(64))
     np.testing.assert_array_equal(np.asarray(greedy), logits.argmax(-1))
-    cold = draws(LOGITS, 2000, temperature=0.05)
-    hot = draws(LOGITS, 2000, temperature=1.0)
+    cold = draws(LOGITS, temperature=0.05)
+    hot = draws(LOGITS, temperature=1.0)
     assert (cold == 6).mean() > 0.95 and 0.25 < (hot == 6).mean() < 0.35
 
 
 def test_sampling_is_deterministic_per_key_and_settings_are_per_row():
-    assert (draws(LOGITS, 500, temperature=1.0) == draws(LOGITS, 500, temperature=1.0)).all()
+    assert (draws(LOGITS, temperature=1.0) == draws(LOGITS, temperature=1.0)).all()
     batch = jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (2, 8))
     temperature, top_k, top_p = jnp.array([0.0, 1.0]), jnp.array([0, 1]), jnp.array([1.0, 1.0])
     for seed in range(20):  # row 0 greedy, row 1 top-1: both always the argmax, whatever the key
         keys = jax.random.split(jax.random.key(seed), 2)
-        assert np.asarray(sample(batch, keys, temperature, top_k, top_p)).tolist() == [6, 6]
+        assert np.asarray(SAMPLE(batch, keys, temperature, top_k, top_p)).tolist() == [6, 6]
 
 
 @pytest.mark.parametrize(
@@ -192,15 +197,15 @@ def test_bad_prompts_are_clear_errors(single, prompts, settings, message):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """2 steps of gpt-tiny on the builtin (byte-level) text, checkpointed; the run directory."""
+    """2 steps of gpt-tiny on the builtin (byte-level) text on data=2,fsdp=2,tensor=2, checkpointed (the run of
+    test_checkpoint_tools, whose compiled programs the suite's compilation cache holds); the run directory."""
     directory = tmp_path_factory.mktemp("generate") / "ckpt"
-    overrides = ["batch_size=8", "seq_len=32", "steps=2", "warmup_steps=1", "progress=false", f"mesh={MESH}"]
-    cfg = apply_overrides(default_config(MODEL), [*overrides, f"checkpoint_dir={directory}", "eval_every=1000"])
-    train(cfg, log=lambda *_: None, devices=jax.devices()[:4])
+    run_train("data=2,fsdp=2,tensor=2", directory, extra=["steps=2"])
     return directory
 
 
 def test_generate_command_prints_ids_and_text(checkpoint, tmp_path, capsys):
+    """On another mesh than training's; ids and text prompts of one batch shape share one compiled program."""
     export = export_params(checkpoint / "2", tmp_path / "export")
     args = ["generate", "--restore", str(export), "--mesh", MESH, "--max-new-tokens", "5"]
     assert main([*args, "--prompt-ids", "72,101,108;108,111", "--prompt-ids", "33"]) == 0
@@ -209,10 +214,13 @@ def test_generate_command_prints_ids_and_text(checkpoint, tmp_path, capsys):
     restored = Generator.restore(checkpoint, MESH)  # the run directory: its newest step, the export's params
     expected = restored.generate([[72, 101, 108], [108, 111], [33]], max_new_tokens=5).tokens
     assert [list(map(int, line.split())) for line in lines] == expected
-    assert main([*args, "--prompt", "Hel", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9"]) == 0
-    text = capsys.readouterr().out
-    sampled = restored.generate([list(b"Hel")], max_new_tokens=5, temperature=0.8, top_k=20, top_p=0.9).tokens
-    assert text == ByteTokenizer().decode(sampled[0]) + "\n"
+    texts = ["Hel", "lo", "!"]
+    sampling = ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "7"]
+    assert main([*args, *(a for text in texts for a in ("--prompt", text)), *sampling]) == 0
+    printed = capsys.readouterr().out
+    prompts = [list(text.encode()) for text in texts]
+    sampled = restored.generate(prompts, max_new_tokens=5, temperature=0.8, top_k=20, top_p=0.9, seed=7).tokens
+    assert printed == "".join(ByteTokenizer().decode(row) + "\n" for row in sampled)
 
 
 @pytest.mark.parametrize(

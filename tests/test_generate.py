@@ -20,7 +20,7 @@ from jaxtrain.sharding.mesh import build_mesh, parse_layout
 from jaxtrain.training.checkpoint import CheckpointError, export_params
 from jaxtrain.training.loop import train
 
-MODEL = "gpt-tiny"  # float32 compute
+MODEL = "llama-tiny"  # float32 compute; grouped-query attention (4 heads, 2 kv heads), tied embeddings
 PROMPTS = [[5, 17, 99, 3, 250, 41], [7, 8], [200, 1, 64]]  # ragged, all within one prompt bucket (8)
 NEW = 6
 MESH = "data=2,tensor=2"
@@ -283,7 +283,9 @@ def test_a_model_trained_on_tinyshakespeare_writes_text(tmp_path):
         "progress=false",
         f"checkpoint_dir={tmp_path / 'ckpt'}",
     ]
-    summary = train(apply_overrides(default_config(MODEL), overrides), log=lambda *_: None, devices=jax.devices()[:4])
+    summary = train(
+        apply_overrides(default_config("gpt-tiny"), overrides), log=lambda *_: None, devices=jax.devices()[:4]
+    )
     assert summary["history"][-1]["val_loss"] < 2.5
     generator = Generator.restore(tmp_path / "ckpt", "data=2,tensor=2", jax.devices()[:4])
     prompt = generator.tokenizer.encode("ROMEO:\n")

@@ -13,7 +13,7 @@ from test_checkpoint import run_train
 
 from jaxtrain.cli import main
 from jaxtrain.errors import ConfigError
-from jaxtrain.inference.generate import ByteTokenizer, GenerationError, Generator, generation_plan
+from jaxtrain.inference.generate import ByteTokenizer, GenerationError, Generator, generate, generation_plan
 from jaxtrain.inference.sampling import Sampling, filtered_logits, sample
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.sharding.mesh import build_mesh, parse_layout
@@ -214,6 +214,7 @@ def test_generate_command_prints_ids_and_text(checkpoint, tmp_path, capsys):
     restored = Generator.restore(checkpoint, MESH)  # the run directory: its newest step, the export's params
     expected = restored.generate([[72, 101, 108], [108, 111], [33]], max_new_tokens=5).tokens
     assert [list(map(int, line.split())) for line in lines] == expected
+    assert generate(export, [[72, 101, 108], [108, 111], [33]], max_new_tokens=5, mesh=MESH) == expected
     texts = ["Hel", "lo", "!"]
     sampling = ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "7"]
     assert main([*args, *(a for text in texts for a in ("--prompt", text)), *sampling]) == 0
@@ -291,6 +292,8 @@ def test_a_model_trained_on_tinyshakespeare_writes_text(tmp_path):
     prompt = generator.tokenizer.encode("ROMEO:\n")
     tokens = generator.generate([prompt], max_new_tokens=300, temperature=0.8, top_k=40, seed=0).tokens[0]
     sample_text = generator.tokenizer.decode(tokens)
+    trained = Generator.from_training(summary).generate([prompt], max_new_tokens=20).tokens  # the run's own params
+    assert trained == generator.generate([prompt], max_new_tokens=20).tokens
     print(f"\n--- sample (val loss {summary['history'][-1]['val_loss']:.3f}) ---\nROMEO:\n{sample_text}\n---")
     letters = sum(c.isalpha() or c in " \n" for c in sample_text) / len(sample_text)
     words = sample_text.split()

@@ -141,8 +141,8 @@ class Generator:
                 "language model (task lm, e.g. gpt or llama)."
             )
         layout = parse_layout(mesh if isinstance(mesh, str) else "data=-1")
-        mesh = mesh if isinstance(mesh, Mesh) else build_mesh(layout, devices or _layout_devices(layout))
         rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
+        mesh = _mesh(mesh, devices)
         plan = generation_plan(
             mesh, rules, split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
         )
@@ -150,11 +150,14 @@ class Generator:
         return cls(plan, params, cfg)
 
     @classmethod
-    def from_training(cls, summary: Mapping[str, Any], mesh: Mesh | None = None) -> Generator:
-        """The model `jaxtrain.train` just trained (its summary's `run` and `state`), on the run's mesh or `mesh`."""
+    def from_training(
+        cls, summary: Mapping[str, Any], mesh: str | Mesh | None = None, devices: Sequence[jax.Device] | None = None
+    ) -> Generator:
+        """The model `jaxtrain.train` just trained (its summary's `run` and `state`), on the run's mesh or on `mesh`
+        (as `restore` takes it), with the run's sharding rules."""
         run, state = summary["run"], summary["state"]
         params = run.plan.params_in_model_order(state["params"])
-        plan = generation_plan(mesh or run.plan.mesh, run.plan.rules, run.plan.model)
+        plan = generation_plan(_mesh(mesh, devices) if mesh else run.plan.mesh, run.plan.rules, run.plan.model)
         return cls(plan, params, run.cfg)
 
     @property
@@ -218,17 +221,6 @@ class Generator:
                 raise GenerationError(
                     f"prompt {number}: token id {bad[0]!r} is not an integer in {vocab}. Give ids in that range."
                 )
-        self._check_length(max(map(len, prompts)), max_new_tokens)
-
-    def _check_length(self, longest: int, max_new_tokens: int) -> None:
-        """Prompt plus continuation within the model's positions, where the model has a limit (`max_seq_len`)."""
-        limit = getattr(self.cfg.model if self.cfg else None, "max_seq_len", None)
-        if limit is not None and longest + max_new_tokens > limit:
-            raise GenerationError(
-                f"the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} make "
-                f"{longest + max_new_tokens} positions, beyond the model's max_seq_len={limit}: shorten the prompt or "
-                "ask for fewer tokens."
-            )
 
     def _batch(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Prompts right-padded into (rows, P) int32, their lengths and which rows are real. Rows are padded to a
@@ -316,6 +308,15 @@ class Generator:
         }
 
 
+def _mesh(mesh: str | Mesh | None, devices: Sequence[jax.Device] | None) -> Mesh:
+    """`mesh` itself, or the mesh of layout `mesh` (default `data=-1`) over `devices` (default: as many as it
+    needs)."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    layout = parse_layout(mesh or "data=-1")
+    return build_mesh(layout, devices or _layout_devices(layout))
+
+
 def _layout_devices(layout: MeshLayout) -> list[jax.Device]:
     """Every device for a layout with a -1 axis, else the first as many as its sizes multiply to (all of them when
     there are fewer: `build_mesh` then says the layout does not fit)."""
@@ -350,7 +351,7 @@ def generate(
     if isinstance(source, Generator):
         generator = source
     elif isinstance(source, Mapping):
-        generator = Generator.from_training(source, mesh if isinstance(mesh, Mesh) else None)
+        generator = Generator.from_training(source, mesh)
     else:
         generator = Generator.restore(source, mesh)
     settings = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, "eos_id": eos_id}

@@ -458,8 +458,13 @@ def generate_main(argv: Sequence[str]) -> int:
         seed=args.seed,
         eos_id=args.eos_id,
     )
-    for row in result.tokens:
-        print(tokenizer.decode(row) if tokenizer else " ".join(map(str, row)))
+    for number, row in enumerate(result.tokens):
+        if not tokenizer:
+            print(" ".join(map(str, row)))
+            continue
+        if len(prompts) > 1:  # texts span lines: a header says where each begins
+            print(f"--- prompt {number + 1}: {args.prompt[number]!r}")
+        print(tokenizer.decode(row))
     return 0
 
 
@@ -469,7 +474,8 @@ def _generate_parser() -> argparse.ArgumentParser:
         description="Continue prompts with a trained language model, rebuilt from the config its checkpoint stores: "
         "the prompt batch is prefilled at once, then one token a step with a KV cache sharded like training's "
         "activations. With --prompt-ids, prints each continuation's token ids (space-separated, a line per prompt); "
-        "with --prompt, its text (byte-level, as jaxtrain's text data).",
+        "with --prompt, its text (byte-level, as jaxtrain's text data), after a header line per prompt when there "
+        "are several.",
     )
     parser.add_argument("--restore", required=True, help="a step directory, a params export, or a run directory")
     prompt = parser.add_mutually_exclusive_group(required=True)

@@ -221,7 +221,11 @@ def test_generate_command_prints_ids_and_text(checkpoint, tmp_path, capsys):
     printed = capsys.readouterr().out
     prompts = [list(text.encode()) for text in texts]
     sampled = restored.generate(prompts, max_new_tokens=5, temperature=0.8, top_k=20, top_p=0.9, seed=7).tokens
-    assert printed == "".join(ByteTokenizer().decode(row) + "\n" for row in sampled)
+    decoded = (
+        f"--- prompt {n}: {text!r}\n{ByteTokenizer().decode(row)}\n"
+        for n, (text, row) in enumerate(zip(texts, sampled), 1)
+    )
+    assert printed == "".join(decoded)
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,7 @@ class Generator:
 
     def __init__(self, plan: Plan, params: PyTree, cfg: RunConfig | None = None):
         """`params` in the model's layer order (placed here into `plan`'s shardings); `cfg` the run config the
-        model trained with, for its tokenizer and limits."""
+        model trained with, for its tokenizer."""
         self.plan, self.cfg = plan, cfg
         self.params = jax.device_put(params, plan.state_shardings["params"])
         module = nnx.merge(plan.model.graphdef, self.params)
@@ -121,7 +121,7 @@ class Generator:
         self._program = jax.jit(
             self._decode,
             static_argnames=("max_new_tokens", "cache_len", "return_logits"),
-            out_shardings=plan.replicated,  # small; every process reads the whole result
+            out_shardings=plan.replicated,  # every process reads the whole result
         )
 
     @classmethod

@@ -13,7 +13,14 @@ from test_checkpoint import run_train
 
 from jaxtrain.cli import main
 from jaxtrain.errors import ConfigError
-from jaxtrain.inference.generate import ByteTokenizer, GenerationError, Generator, generate, generation_plan
+from jaxtrain.inference.generate import (
+    ByteTokenizer,
+    GenerationError,
+    Generator,
+    generate,
+    generation_plan,
+    tokenizer_for,
+)
 from jaxtrain.inference.sampling import Sampling, filtered_logits, sample
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.sharding.mesh import build_mesh, parse_layout
@@ -190,6 +197,15 @@ def test_eos_stops_a_row_and_keeps_the_others(single, greedy):
 def test_bad_prompts_are_clear_errors(single, prompts, settings, message):
     with pytest.raises(GenerationError, match=message):
         single.generate(prompts, **{"max_new_tokens": 2, **settings})
+
+
+def test_no_text_prompts_for_synthetic_tokens_and_no_pipeline_meshes(model_and_params):
+    with pytest.raises(GenerationError, match="trained on data.source=synthetic .* give the prompt as token ids"):
+        tokenizer_for(apply_overrides(default_config(MODEL), ["data.source=synthetic"]))
+    run = model_and_params[0]
+    mesh = build_mesh(parse_layout("pipeline=2"), jax.devices()[:2])
+    with pytest.raises(GenerationError, match="the mesh has pipeline=2. Give a --mesh without a pipeline axis"):
+        generation_plan(mesh, run.plan.rules, run.plan.model)
 
 
 # From a checkpoint, and the command -------------------------------------------------------------------------------

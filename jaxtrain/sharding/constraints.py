@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -118,11 +119,28 @@ def _placement(
         return None
     mesh, rules = active
     abstract = jax.sharding.get_abstract_mesh()
-    manual = set() if abstract.empty else set(abstract.manual_axes)
+    manual = _manual_axes()
     rule_table = rules.params if like_params else rules.activations
     table = {name: tuple(a for a in axes if a not in manual) for name, axes in rule_table.items()}
     spec = logical_to_spec(names, shape, table, mesh, f"activation{tuple(names)}")
     return (abstract if manual else mesh), spec, manual
+
+
+def split_ways(name: str) -> int:
+    """How many ways `constrain` splits an activation dim called `name` (1 outside `activation_sharding`): for
+    kernels that keep one partial result per shard, e.g. a gradient summed over the batch only once at the end."""
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    mesh, rules = active
+    manual = _manual_axes()
+    return math.prod(mesh.shape[axis] for axis in rules.activations.get(name, ()) if axis not in manual)
+
+
+def _manual_axes() -> set[str]:
+    """Inside a shard_map some axes are manual: each device already holds its own slice along them."""
+    abstract = jax.sharding.get_abstract_mesh()
+    return set() if abstract.empty else set(abstract.manual_axes)
 
 
 @contextlib.contextmanager

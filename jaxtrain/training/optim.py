@@ -1,10 +1,42 @@
-"""The optimizer: AdamW or SGD, warmup + cosine learning-rate schedule, global-norm gradient clipping."""
+"""The optimizer (optax's AdamW, SGD, Adafactor, Lion or Muon), with a linear warmup + cosine learning-rate schedule,
+decoupled weight decay and global-norm gradient clipping, the same for each.
+
+Muon orthogonalises the update of each weight matrix and leaves every other parameter to AdamW. Which dims of a
+parameter form its matrix comes from the parameter's logical dim names, never from its shape or path
+(`muon_dimensions`):
+
+>>> muon_dimensions(("layers", "embed", "heads", "kv"))  # a query projection: a (embed, heads * kv) matrix per layer
+MuonDimensionNumbers(reduction_axis=1, output_axis=(2, 3))
+>>> muon_dimensions(("layers", "mlp", "embed"))  # the MLP's down projection
+MuonDimensionNumbers(reduction_axis=(1,), output_axis=2)
+>>> muon_dimensions(("vocab", "embed")) is None  # the embedding goes to AdamW
+True
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
 import optax
+from optax.contrib import MuonDimensionNumbers
 
 from jaxtrain.run_config import ConfigError, OptimizerConfig
+from jaxtrain.sharding.rules import is_logical_names
+
+PyTree = Any
+
+# Dims that index separate matrices, orthogonalised one by one: stacked layers, the q/k/v (or k/v) parts of a fused
+# projection (Muon's authors orthogonalise q, k and v apart), the experts of a mixture.
+MATRIX_BATCH_DIMS = frozenset({"layers", "qkv", "expert"})
+# A parameter with one of these dims is a lookup table or an output head over classes, which Muon's authors (and
+# optax's docs) leave to AdamW: its rows are looked up one at a time, or its outputs are logits, not features.
+TABLE_DIMS = frozenset({"vocab", "classes", "table_rows"})
+# Dims that only index a projection's outputs: a parameter with no other matrix dims is a vector per head (a q/k/v
+# bias), not a map from one space to another.
+OUTPUT_ONLY_DIMS = frozenset({"heads", "kv_heads", "kv"})
 
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -19,13 +51,90 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(
+    cfg: OptimizerConfig, total_steps: int, logical_names: PyTree
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer `cfg.name` over params whose dims are called `logical_names` (a tree of name tuples, as
+    `ModelParts.logical_names`), and its learning-rate schedule."""
     schedule = make_schedule(cfg, total_steps)
-    if cfg.name == "adamw":
-        update = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay)
-    elif cfg.name == "sgd":  # plain SGD with decoupled weight decay: linear in the gradient, as FedAvg analyses assume
-        update = optax.chain(optax.add_decayed_weights(cfg.weight_decay), optax.sgd(schedule))
-    else:
-        raise ConfigError(f"optimizer.name='{cfg.name}': use adamw or sgd.")
+    builders = {"adamw": _adamw, "sgd": _sgd, "adafactor": _adafactor, "lion": _lion, "muon": _muon}
+    if cfg.name not in builders:
+        raise ConfigError(f"optimizer.name={cfg.name!r} is not one of {', '.join(builders)}.")
+    update = builders[cfg.name](cfg, schedule, logical_names, total_steps)
     clip = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
     return optax.chain(*clip, update), schedule
+
+
+def muon_dimensions(names: Sequence[str | None]) -> MuonDimensionNumbers | None:
+    """How Muon sees a parameter whose dims are called `names`: its matrix's reduction (input) and output dims, the
+    other dims indexing separate matrices (`MATRIX_BATCH_DIMS`); None for a parameter AdamW takes instead.
+
+    AdamW takes a parameter with fewer than two matrix dims (norms, biases, scalars), one with a table dim
+    (`TABLE_DIMS`: embeddings, the head) and one whose matrix dims only index heads (`OUTPUT_ONLY_DIMS`). A matrix
+    whose first dim is `embed` reads the residual stream: `embed` is its input, the rest its output (q/k/v, the
+    MLP's input and gate). Any other matrix writes its last dim from the rest, as `x @ w` does (the attention output
+    and MLP down projections into `embed`, a convolution's `conv_out` from its window and `conv_in`)."""
+    matrix = [dim for dim, name in enumerate(names) if name not in MATRIX_BATCH_DIMS]
+    matrix_names = {names[dim] for dim in matrix}
+    if len(matrix) < 2 or TABLE_DIMS & set(names) or matrix_names <= OUTPUT_ONLY_DIMS:
+        return None
+    if names[matrix[0]] == "embed":
+        return MuonDimensionNumbers(reduction_axis=matrix[0], output_axis=tuple(matrix[1:]))
+    return MuonDimensionNumbers(reduction_axis=tuple(matrix[:-1]), output_axis=matrix[-1])
+
+
+def _adamw(cfg: OptimizerConfig, schedule: optax.Schedule, _names: PyTree, _steps: int) -> optax.GradientTransformation:
+    return optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay)
+
+
+def _sgd(cfg: OptimizerConfig, schedule: optax.Schedule, _names: PyTree, _steps: int) -> optax.GradientTransformation:
+    # Plain SGD with decoupled weight decay: linear in the gradient, as FedAvg analyses assume.
+    return optax.chain(optax.add_decayed_weights(cfg.weight_decay), optax.sgd(schedule))
+
+
+def _lion(cfg: OptimizerConfig, schedule: optax.Schedule, _names: PyTree, _steps: int) -> optax.GradientTransformation:
+    return optax.lion(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay)
+
+
+def _adafactor(
+    cfg: OptimizerConfig, schedule: optax.Schedule, _names: PyTree, _steps: int
+) -> optax.GradientTransformation:
+    # optax adds Adafactor's weight decay after the learning rate; scheduling it with the learning rate makes it
+    # decoupled weight decay as the other optimizers have it (the decay of each step is learning rate x rate).
+    decay = (lambda count: cfg.weight_decay * schedule(count)) if cfg.weight_decay > 0 else None
+    return optax.adafactor(
+        schedule,
+        min_dim_size_to_factor=cfg.adafactor_min_dim_size_to_factor,
+        decay_rate=cfg.adafactor_decay_rate,
+        multiply_by_parameter_scale=cfg.adafactor_parameter_scale,
+        clipping_threshold=cfg.adafactor_clipping_threshold if cfg.adafactor_clipping_threshold > 0 else None,
+        momentum=cfg.adafactor_momentum or None,
+        weight_decay_rate=decay,
+        factored=cfg.adafactor_factored,
+    )
+
+
+def _muon(cfg: OptimizerConfig, schedule: optax.Schedule, names: PyTree, steps: int) -> optax.GradientTransformation:
+    if all(muon_dimensions(n) is None for n in jax.tree.leaves(names, is_leaf=is_logical_names)):
+        raise ConfigError(
+            "optimizer.name=muon: this model has no weight matrix Muon can take (see jaxtrain.training.optim."
+            "muon_dimensions), so every parameter would be AdamW's; use optimizer.name=adamw."
+        )
+    adam_schedule = (
+        make_schedule(dataclasses.replace(cfg, learning_rate=cfg.muon_adam_learning_rate), steps)
+        if cfg.muon_adam_learning_rate > 0
+        else schedule
+    )
+    return optax.contrib.muon(
+        schedule,
+        ns_steps=cfg.muon_ns_steps,
+        beta=cfg.muon_momentum,
+        weight_decay=cfg.weight_decay,
+        nesterov=cfg.muon_nesterov,
+        adam_b1=cfg.beta1,
+        adam_b2=cfg.beta2,
+        adam_weight_decay=cfg.weight_decay,
+        adam_learning_rate=adam_schedule,
+        muon_weight_dimension_numbers=jax.tree.map(muon_dimensions, names, is_leaf=is_logical_names),
+        consistent_rms=cfg.muon_consistent_rms or None,
+    )

@@ -4,7 +4,9 @@ its state sharded like the params it belongs to (Adafactor's factored statistics
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import cached_run
 from jax.sharding import PartitionSpec as P
@@ -12,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.errors import ConfigError
 from jaxtrain.run_config import OptimizerConfig, apply_overrides, default_config
 from jaxtrain.sharding.param_state import kept_dims, spec_for_state
-from jaxtrain.training.optim import make_optimizer, muon_dimensions
+from jaxtrain.training.optim import make_optimizer, muon_dimensions, per_layer
 
 MESH = "fsdp=4,tensor=2"
 STEPS = 20
@@ -57,11 +59,39 @@ def test_sharded_run_equals_single_device(name):
     ref_losses, ref_params = train(cached_run("single", overrides(name)), 4)
     losses, params = train(cached_run(MESH, overrides(name)), 4)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for leaf, (got, want) in enumerate(zip(params, ref_params)):
-        error, norm = np.linalg.norm(got - want), np.linalg.norm(want)
-        assert error <= 1e-5 * norm, (
-            f"{name}: param {leaf} {want.shape}: |sharded - single| = {error:.3g} of {norm:.3g}"
-        )
+    assert_params_close(params, ref_params, name)
+
+
+def assert_params_close(got: list[np.ndarray], reference: list[np.ndarray], name: str) -> None:
+    """Each param within float32 rounding of the reference, relative to its norm."""
+    for leaf, (g, r) in enumerate(zip(got, reference, strict=True)):
+        error, norm = np.linalg.norm(g - r), np.linalg.norm(r)
+        assert error <= 1e-5 * norm, f"{name}: param {leaf} {r.shape}: |got - reference| = {error:.3g} of {norm:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["adafactor", "muon"])
+def test_pipelined_run_with_a_padded_stage_equals_single_device(name):
+    """Three layers on two pipeline stages store a padding row in the layer stack: Adafactor's per-parameter RMS
+    steps (taken per layer) and Muon's orthogonalisation (per layer) never see it."""
+    three_layers = (*overrides(name), "n_layers=3")
+    ref_losses, ref_params = train(cached_run("single", three_layers), 4)
+    losses, params = train(cached_run("pipeline=2,data=2,tensor=2", (*three_layers, "microbatches=4")), 4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(params, ref_params, name)
+
+
+def test_per_layer_rms_steps_treat_each_layer_of_a_stack_as_its_own_parameter():
+    """Clipping each update's RMS to 1 clips the loud layer of a stack, leaves the quiet one and an unstacked
+    parameter of the same values alone."""
+    loud_and_quiet = jnp.stack([jnp.full((4, 4), 10.0), jnp.full((4, 4), 0.5)])  # (layers, embed, mlp)
+    updates = {"stack": loud_and_quiet, "matrix": loud_and_quiet[1]}
+    names = {"stack": ("layers", "embed", "mlp"), "matrix": ("embed", "mlp")}
+    clip = per_layer(optax.clip_by_block_rms(1.0), names)
+    clipped, _ = clip.update(updates, clip.init(updates))
+    np.testing.assert_allclose(clipped["stack"][0], 1.0)
+    np.testing.assert_allclose(clipped["stack"][1], 0.5)
+    np.testing.assert_allclose(clipped["matrix"], 0.5)
 
 
 @pytest.mark.parametrize("name", by_optimizer())

@@ -24,7 +24,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from jaxtrain.run_config import ConfigError, OptimizerConfig
-from jaxtrain.sharding.rules import is_logical_names
+from jaxtrain.sharding.rules import is_layer_stack, is_logical_names
 
 PyTree = Any
 
@@ -97,21 +97,44 @@ def _lion(cfg: OptimizerConfig, schedule: optax.Schedule, _names: PyTree, _steps
 
 
 def _adafactor(
-    cfg: OptimizerConfig, schedule: optax.Schedule, _names: PyTree, _steps: int
+    cfg: OptimizerConfig, schedule: optax.Schedule, names: PyTree, _steps: int
 ) -> optax.GradientTransformation:
-    # optax adds Adafactor's weight decay after the learning rate; scheduling it with the learning rate makes it
-    # decoupled weight decay as the other optimizers have it (the decay of each step is learning rate x rate).
-    decay = (lambda count: cfg.weight_decay * schedule(count)) if cfg.weight_decay > 0 else None
-    return optax.adafactor(
-        schedule,
-        min_dim_size_to_factor=cfg.adafactor_min_dim_size_to_factor,
-        decay_rate=cfg.adafactor_decay_rate,
-        multiply_by_parameter_scale=cfg.adafactor_parameter_scale,
-        clipping_threshold=cfg.adafactor_clipping_threshold if cfg.adafactor_clipping_threshold > 0 else None,
-        momentum=cfg.adafactor_momentum or None,
-        weight_decay_rate=decay,
-        factored=cfg.adafactor_factored,
-    )
+    """`optax.adafactor`'s chain, with its two per-parameter RMS steps (update clipping, the parameter scale) taken
+    per layer of a layer-stacked parameter, as for a model's own per-layer matrices; over the whole stack they would
+    mix the layers, and count the padding rows of a pipeline layout. Weight decay is scheduled with the learning
+    rate: decoupled, as the other optimizers have it (optax adds Adafactor's after the learning rate)."""
+    clip = cfg.adafactor_clipping_threshold
+    steps = [
+        optax.scale_by_factored_rms(
+            cfg.adafactor_factored,
+            cfg.adafactor_decay_rate,
+            min_dim_size_to_factor=cfg.adafactor_min_dim_size_to_factor,
+        ),
+        *([per_layer(optax.clip_by_block_rms(clip), names)] if clip > 0 else []),
+        optax.scale_by_learning_rate(schedule, flip_sign=False),
+        *([per_layer(optax.scale_by_param_block_rms(), names)] if cfg.adafactor_parameter_scale else []),
+        *([optax.ema(cfg.adafactor_momentum, debias=False)] if cfg.adafactor_momentum > 0 else []),
+        *([optax.add_decayed_weights(lambda count: cfg.weight_decay * schedule(count))] if cfg.weight_decay else []),
+        optax.scale(-1),
+    ]
+    return optax.chain(*steps)
+
+
+def per_layer(inner: optax.GradientTransformation, logical_names: PyTree) -> optax.GradientTransformation:
+    """`inner`, a stateless transformation that treats each parameter as one block, applied to each layer of a
+    layer-stacked parameter (leading `layers` dim) apart and to every other parameter whole."""
+
+    def update(updates: PyTree, state: Any, params: PyTree | None = None) -> tuple[PyTree, Any]:
+        def one(names: tuple, update: jax.Array, param: jax.Array | None) -> jax.Array:
+            def apply(u, p):
+                return inner.update(u, state, p)[0]
+
+            return jax.vmap(apply)(update, param) if is_layer_stack(names) else apply(update, param)
+
+        given = params if params is not None else jax.tree.map(lambda _: None, updates)
+        return jax.tree.map(one, logical_names, updates, given, is_leaf=is_logical_names), state
+
+    return optax.GradientTransformation(inner.init, update)
 
 
 def _muon(cfg: OptimizerConfig, schedule: optax.Schedule, names: PyTree, steps: int) -> optax.GradientTransformation:

@@ -12,9 +12,9 @@ from helpers import cached_run
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.run_config import OptimizerConfig, apply_overrides, default_config
+from jaxtrain.run_config import OPTIMIZERS, OptimizerConfig, apply_overrides, default_config
 from jaxtrain.sharding.param_state import kept_dims, spec_for_state
-from jaxtrain.training.optim import make_optimizer, muon_dimensions, per_layer
+from jaxtrain.training.optim import BUILDERS, make_optimizer, muon_dimensions, per_layer
 
 MESH = "fsdp=4,tensor=2"
 STEPS = 20
@@ -232,3 +232,7 @@ def test_optimizer_options_apply_with_their_optimizer():
 def test_muon_without_a_matrix_is_refused():
     with pytest.raises(ConfigError, match="no weight matrix Muon can take"):
         make_optimizer(OptimizerConfig(name="muon"), 10, {"embedding": ("vocab", "embed"), "norm": ("norm",)})
+
+
+def test_every_optimizer_name_has_a_builder():
+    assert tuple(BUILDERS) == OPTIMIZERS

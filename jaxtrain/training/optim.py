@@ -57,10 +57,7 @@ def make_optimizer(
     """The optimizer `cfg.name` over params whose dims are called `logical_names` (a tree of name tuples, as
     `ModelParts.logical_names`), and its learning-rate schedule."""
     schedule = make_schedule(cfg, total_steps)
-    builders = {"adamw": _adamw, "sgd": _sgd, "adafactor": _adafactor, "lion": _lion, "muon": _muon}
-    if cfg.name not in builders:
-        raise ConfigError(f"optimizer.name={cfg.name!r} is not one of {', '.join(builders)}.")
-    update = builders[cfg.name](cfg, schedule, logical_names, total_steps)
+    update = BUILDERS[cfg.name](cfg, schedule, logical_names, total_steps)  # cfg.name is one of them: checked
     clip = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
     return optax.chain(*clip, update), schedule
 
@@ -161,3 +158,6 @@ def _muon(cfg: OptimizerConfig, schedule: optax.Schedule, names: PyTree, steps: 
         muon_weight_dimension_numbers=jax.tree.map(muon_dimensions, names, is_leaf=is_logical_names),
         consistent_rms=cfg.muon_consistent_rms or None,
     )
+
+
+BUILDERS = {"adamw": _adamw, "sgd": _sgd, "adafactor": _adafactor, "lion": _lion, "muon": _muon}  # OPTIMIZERS' order

@@ -6,9 +6,10 @@ with `train_flops(batch_size, seq_len)`, and named presets. Nothing here knows a
 """
 
 from jaxtrain.registry import register_model
-from models import gpt, mlp, moe, recsys, resnet
+from models import gpt, llama, mlp, moe, recsys, resnet
 
 register_model("gpt", gpt.GPT, gpt.PRESETS, task="lm", default_preset="cpu")
+register_model("llama", gpt.GPT, llama.PRESETS, task="lm", default_preset="cpu")
 register_model("mlp", mlp.MLP, mlp.PRESETS, task="classification", default_preset="digits")
 register_model("resnet", resnet.ResNet, resnet.PRESETS, task="classification", default_preset="digits")
 register_model("recsys", recsys.DLRM, recsys.PRESETS, task="clicks", default_preset="tiny")

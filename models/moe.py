@@ -41,7 +41,7 @@ from flax import nnx
 from jaxtrain.errors import ConfigError
 from jaxtrain.settings import setting
 from jaxtrain.sharding.constraints import constrain
-from models.gpt import GPT, Block, GPTConfig, normal_param, residual_std, rms_norm
+from models.gpt import GPT, Block, Context, GPTConfig, normal_param, residual_std
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,18 +70,18 @@ class MoEConfig(GPTConfig):
         """Tokens each expert takes from a group of `group_size` tokens (routed `top_k` times each)."""
         return min(group_size, math.ceil(self.capacity_factor * self.top_k * group_size / self.n_experts))
 
-    def num_params(self) -> int:
-        d, f, e = self.d_model, self.d_ff, self.n_experts
-        per_layer = 4 * d * d + e * 2 * d * f + d * e + 2 * d
-        return self.n_layers * per_layer + 2 * self.vocab_size * d + d
+    def mlp_params(self) -> int:
+        """Every expert's MLP and the router."""
+        return self.n_experts * 2 * self.d_model * self.d_ff + self.d_model * self.n_experts
 
     def train_flops(self, batch_size: int, seq_len: int) -> float:
         """Model FLOPs of one training step, counted as GPTConfig's: 6 x the matmul weights a token uses (attention,
         the router, its `top_k` experts, the head), plus causal attention. Unused capacity and the one-hot dispatch
         and combine einsums are overhead, not model FLOPs."""
         d = self.d_model
-        per_layer = 4 * d * d + d * self.n_experts + self.top_k * 2 * d * self.d_ff
-        per_token = 6.0 * (self.n_layers * per_layer + d * self.vocab_size) + 6.0 * self.n_layers * seq_len * d
+        per_layer = self.attention_matmul_params() + d * self.n_experts + self.top_k * 2 * d * self.d_ff
+        attention = 6.0 * self.n_layers * seq_len * self.n_heads * self.head_channels
+        per_token = 6.0 * (self.n_layers * per_layer + d * self.vocab_size) + attention
         return per_token * batch_size * seq_len
 
 
@@ -142,9 +142,9 @@ class MoEBlock(Block):
         self.w_in = normal_param(rngs, (e, d, f), ("expert", "embed", "mlp"), 0.02)
         self.w_down = normal_param(rngs, (e, f, d), ("expert", "mlp", "embed"), residual_std(cfg))
 
-    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        x = x + self.attention(rms_norm(x, self.attn_norm[...]), rope)
-        y, stats = self.experts(rms_norm(x, self.mlp_norm[...]))
+    def __call__(self, x: jax.Array, context: Context) -> tuple[jax.Array, dict[str, jax.Array]]:
+        x = x + self.attend(self.norm(x, self.attn_norm), context)
+        y, stats = self.experts(self.norm(x, self.mlp_norm))
         return constrain(x + y, ("batch", "seq", "embed")), stats
 
     def experts(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:  # x: (G, S, D), a group a sequence
@@ -171,16 +171,19 @@ class MoE(GPT):
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """tokens (B, T) -> logits (B, T, V) float32, and each layer's routing statistics (stacked, L first)."""
-        layer, block_params = self.layer_stack(tokens.shape[1])
-        x, stats = jax.lax.scan(layer, self.embed(tokens), block_params)
-        return self.unembed(x), stats
+        hidden, stats = self.hidden_and_stats(tokens)
+        return self.unembed(hidden), stats
+
+    def hidden_and_stats(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        layer, block_params = self.layer_stack(self.context(tokens.shape[1]))
+        return jax.lax.scan(layer, self.embed(tokens), block_params)
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Next-token cross-entropy plus `aux_loss_weight` x the mean auxiliary loss over layers. batch["tokens"]:
         (B, T + 1). Metrics: cross_entropy, aux_loss, expert_load, dropped."""
         tokens = batch["tokens"]
-        logits, stats = self(tokens[:, :-1])
-        cross_entropy = self.next_token_loss(logits, tokens)
+        hidden, stats = self.hidden_and_stats(tokens[:, :-1])
+        cross_entropy = self.next_token_loss(hidden, tokens)
         aux = jnp.mean(stats["aux"])
         load = stats["load"]  # (L, E)
         metrics = {

@@ -11,9 +11,12 @@
 # $MAXTEXT_VENV (default /tmp/maxtext_venv); it is created if missing
 # (needs PyPI access, ~2.5 min on 2 cores).
 #
+# The decoder's MLP and key/value heads come from the overrides (MaxText's defaults: SwiGLU, as many kv heads as
+# query heads): GPT's shape is base_num_kv_heads=4 'mlp_activations=[gelu]', the Llama one base_num_kv_heads=2.
+#
 # Usage: scripts/maxtext_baseline.sh [STEPS] [extra MaxText key=value overrides...]
-#   e.g. scripts/maxtext_baseline.sh 30
-#        scripts/maxtext_baseline.sh 50 dtype=float32
+#   e.g. scripts/maxtext_baseline.sh 30 base_num_kv_heads=4 'mlp_activations=[gelu]'
+#        scripts/maxtext_baseline.sh 50 base_num_kv_heads=2 dtype=float32
 # Env: MAXTEXT_VENV, MAXTEXT_LOG (full log, default /tmp/maxtext_baseline.log),
 #      MAXTEXT_OUT (base_output_directory, default /tmp/maxtext_out).
 set -euo pipefail
@@ -39,9 +42,9 @@ echo "[maxtext_baseline] running $STEPS steps, log -> $LOG" >&2
 JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
   "$VENV/bin/python" -m maxtext.trainers.pre_train.train "$BASE_YML" \
   run_name="$RUN_NAME" base_output_directory="$OUT" dataset_type=synthetic steps="$STEPS" \
-  base_emb_dim=256 base_num_query_heads=4 base_num_kv_heads=4 head_dim=64 base_mlp_dim=1024 \
+  base_emb_dim=256 base_num_query_heads=4 head_dim=64 base_mlp_dim=1024 \
   base_num_decoder_layers=4 vocab_size=256 max_target_length=256 per_device_batch_size=1 \
-  ici_fsdp_parallelism=8 'mlp_activations=[gelu]' attention=dot_product enable_checkpointing=False \
+  ici_fsdp_parallelism=8 attention=dot_product enable_checkpointing=False \
   hardware=cpu skip_jax_distributed_system=True "$@" >"$LOG" 2>&1 \
   || { echo "[maxtext_baseline] MaxText failed; tail of $LOG:" >&2; tail -20 "$LOG" >&2; exit 1; }
 

@@ -4,8 +4,8 @@
       < analysis, sharding, data  < parallel  < run_config  < training  < planner  < cli and the public API
 
 No module imports one of a higher layer, no two modules import each other through any chain, the library never
-imports `models`, `scripts` or `tests`, models import only the sharding helpers, the kernels of `jaxtrain.ops` and the config field checks, and
-the planner never imports the training loop or what only the loop uses.
+imports `models`, `scripts` or `tests`, models import only the sharding helpers, the kernels of `jaxtrain.ops` and
+the config field checks, and the planner never imports the training loop or what only the loop uses.
 """
 
 import ast

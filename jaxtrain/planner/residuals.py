@@ -124,6 +124,8 @@ def _recomputed(scope: _Scope, v: Any, flow: Flow, stored: set, depth: int = 0) 
 def _readable(scope: _Scope, u: Any, of: Any, flow: Flow, stored: set, depth: int) -> bool:
     """Whether the backward pass has operand `u` of `of`: an input it can read, a residual, a value much smaller
     than `of` (held at negligible cost), or one it computes again."""
+    if isinstance(u, Literal):  # a buffer followed out of a sub-jaxpr can be a constant there
+        return True
     if u in scope.available or (id(scope), u) in stored:
         return True
     if _size(u) * _SMALL <= _size(of):

@@ -13,6 +13,8 @@ array, or a dimension the axes do not divide is an error naming the array.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -27,6 +29,9 @@ DEFAULT_PARAM_RULES: dict[str, AxisRule] = {
     "embed": ("fsdp",),
     "mlp": ("tensor",),
     "heads": ("tensor",),
+    # Grouped-query attention's key/value heads: fewer than the query heads, so split only where they divide
+    # (`SPLIT_WHERE_DIVIDES`); where not, every tensor device keeps all of them.
+    "kv_heads": ("tensor",),
     "kv": (),
     "qkv": (),
     "vocab": ("tensor",),
@@ -64,9 +69,12 @@ DEFAULT_ACTIVATION_RULES: dict[str, AxisRule] = {
     "embed": (),
     "mlp": ("tensor",),
     "heads": ("tensor",),
+    "kv_heads": ("tensor",),
     "kv": (),
     "qkv": (),
     "vocab": ("tensor",),
+    # A KV cache's slots (generation): whole on every device, like `seq`.
+    "cache_seq": (),
     "features": (),
     "classes": (),
     # The batch dim inside a ResNet's convolutions: split over every axis but pipeline, tensor and expert included,
@@ -89,6 +97,12 @@ DEFAULT_ACTIVATION_RULES: dict[str, AxisRule] = {
     "expert_group": ("replica", "data", "fsdp"),
     "capacity": (),
 }
+
+
+# Names whose rule applies only where the mesh axes divide the dimension; elsewhere the dimension is replicated, with
+# a warning. Grouped-query attention has few key/value heads (Llama 3 8B: 8), often fewer than tensor devices.
+SPLIT_WHERE_DIVIDES = frozenset({"kv_heads"})
+log = logging.getLogger(__name__)
 
 
 class ShardingRuleError(UserInputError):
@@ -183,6 +197,12 @@ def logical_to_spec(
                 )
             used[axis] = name
         ways = math.prod(mesh.shape[a] for a in axes)
+        if size % ways and name in SPLIT_WHERE_DIVIDES:
+            _warn_replicated(array_name, name, size, axes, ways)
+            for axis in axes:
+                del used[axis]
+            spec.append(None)
+            continue
         if size % ways:
             raise ShardingRuleError(
                 f"'{array_name}': dimension '{name}' of size {size} is not divisible by mesh axes {axes} "
@@ -190,6 +210,15 @@ def logical_to_spec(
             )
         spec.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*spec)
+
+
+@functools.cache
+def _warn_replicated(array_name: str, name: str, size: int, axes: AxisRule, ways: int) -> None:
+    log.warning(
+        "'%s': %d %s do not split over mesh axes %s (%d ways): every device along them keeps all %d. "
+        "To split them, use a mesh whose %s size divides %d.",
+        *(array_name, size, name, axes, ways, size, "x".join(axes), size),
+    )
 
 
 def _axis_size(mesh: Mesh, axis: str, array_name: str, name: str) -> int:

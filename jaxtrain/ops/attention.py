@@ -1,0 +1,489 @@
+"""Causal self-attention, one function with several implementations: what a decoder's attention layer calls.
+
+    >>> out = attention(q, k, v, implementation="auto", segment_ids=doc_ids, sliding_window=4096)  # doctest: +SKIP
+
+q is (B, T, H, K); k and v are (B, T, G, K) with G dividing H (grouped-query attention: query head h reads kv head
+h // (H // G); G == 1 is multi-query). Scores are scaled by 1/sqrt(K), softmax statistics are float32, the output
+is (B, T, H, K) in q's dtype. `segment_ids` (B, T) marks packed documents (contiguous runs of one id): a token
+attends only to earlier tokens of its own run. `sliding_window` W: query t attends keys s with t - W < s <= t.
+
+Implementations (`IMPLEMENTATIONS`):
+- `reference`: einsum scores with an explicit boolean mask; memory grows with T².
+- `xla`, `cudnn`: `jax.nn.dot_product_attention`; cuDNN's fused flash attention (GPU, bf16/fp16), with packed
+  documents through its segment offsets.
+- `splash`: the Pallas TPU kernel (jax.experimental.pallas.ops.tpu.splash_attention).
+- `chunked`: blockwise online-softmax attention in plain JAX with a FlashAttention-2 style backward; memory grows
+  linearly in T, on any backend.
+- `auto`: cuDNN on GPU, splash on TPU, on CPU reference or chunked by sequence length (`resolve_implementation`).
+
+The kernels that need per-device shapes (cudnn, splash) run inside `shard_map` over the active mesh
+(`jaxtrain.sharding.constraints.per_device`): batch on the batch axes, heads on `tensor`, the sequence whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.errors import UserInputError
+from jaxtrain.sharding.constraints import activation_spec, active_mesh, per_device
+
+IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash", "chunked")
+# From this sequence length on, `auto` picks `chunked` over `reference` on CPU. Measured on this project's 2-core
+# CI-class machine, forward + backward of attention alone, float32, best of 3 (seconds, reference / chunked):
+#   B=1 H=8 G=4 K=64:  T=64 .0014/.0013, 128 .0056/.0022, 256 .0165/.0096, 512 .212/.085, 1024 .66/.40, 4096 11.4/3.0
+#   B=8 H=4 G=2 K=16:  T=64 .0018/.0019, 128 .010/.015, 256 .026/.044, 512 .33/.37, 1024 1.53/.99, 2048 5.9/2.7
+# Below 512 the winner depends on the head shape and the margins are small; from 512 on chunked wins or nearly ties,
+# and from 1024 on it wins by 1.5-4x (and its memory stays linear). How it was timed: docs/attention.md.
+CPU_CHUNKED_FROM_SEQ = 512
+CHUNK = 512  # `chunked` block length: (B, H, 512, 512) float32 scores per block pair
+_SPLASH_BLOCK = 128  # the splash kernel's blocks are multiples of the TPU's 128 lanes
+_MASKED = -1e30  # finite, so a fully masked row gives zeros, not NaN, in the online softmax and its gradient
+_Q = ("batch", None, "heads", None)  # q and the output on each device: the sequence and head dim stay whole
+_KV = ("batch", None, "kv_heads", None)
+_SEGMENTS = ("batch", None)
+_KERNEL_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}  # the kernels that run on one platform only
+
+
+# Products accumulate in float32 whatever the inputs' dtype (the softmax statistics are float32).
+_einsum32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+
+
+class AttentionError(UserInputError):
+    """An attention implementation, shape or option that cannot work here."""
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    implementation: str = "auto",
+    segment_ids: jax.Array | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal self-attention of q (B, T, H, K) over k, v (B, T, G, K) -> (B, T, H, K) in q's dtype.
+
+    `implementation`: one of IMPLEMENTATIONS. `segment_ids` (B, T) int: packed documents. `sliding_window` W: query
+    t sees keys t - W < s <= t. `interpret`: run the splash kernel in the Pallas interpreter on any backend (tests).
+    """
+    _check_inputs(q, k, v, segment_ids, sliding_window)
+    platform = "tpu" if interpret else _platform()
+    chosen = resolve_implementation(implementation, platform, q.shape[1], q.dtype, packed=segment_ids is not None)
+    needs = _KERNEL_PLATFORM.get(chosen, platform)
+    if needs != platform:
+        raise AttentionError(
+            f"attention implementation '{chosen}' needs a {needs.upper()}, but this program runs on {platform}. Use "
+            f"'auto' (picks per backend), 'chunked', 'xla' or 'reference'."
+        )
+    run = {
+        "reference": _reference,
+        "xla": _xla,
+        "cudnn": _cudnn,
+        "splash": functools.partial(_splash, interpret=interpret),
+        "chunked": _chunked,
+    }[chosen]
+    return run(q, k, v, segment_ids, sliding_window)
+
+
+def resolve_implementation(
+    implementation: str, platform: str, seq_len: int, dtype: object = None, packed: bool = False
+) -> str:
+    """The implementation `attention` runs for `implementation` on `platform` ("cpu", "gpu", "tpu") at `seq_len`,
+    for inputs of `dtype` with segment ids or not (`packed`).
+
+    `auto`: on GPU cuDNN, or XLA's where cuDNN cannot take the inputs (float32; packed documents before Hopper, or
+    compiling ahead of time, where JAX sees no GPU to check) or is not installed, with a warning; splash on TPU; on
+    CPU `reference` below CPU_CHUNKED_FROM_SEQ and `chunked` from there.
+
+        >>> resolve_implementation("auto", "cpu", 4096)
+        'chunked'
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise AttentionError(
+            f"attention implementation '{implementation}' is unknown; choose one of {', '.join(IMPLEMENTATIONS)}."
+        )
+    if implementation != "auto":
+        return implementation
+    if platform == "gpu":
+        takes = dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+        return "cudnn" if takes and _cudnn_loadable() and (not packed or _cudnn_packs()) else "xla"
+    if platform == "tpu":
+        return "splash"
+    return "reference" if seq_len < CPU_CHUNKED_FROM_SEQ else "chunked"
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Attention of q (B, Tq, H, K) over k, v (B, Tk, G, K) where mask (B or 1, Tq, Tk) is True -> (B, Tq, H, K).
+
+    For decoding with a KV cache (Tq new tokens against Tk cache slots). A query whose mask row is all False gets
+    the mean of the values (never NaN); give every query at least one key.
+    """
+    batch, q_len, heads, head_dim = q.shape
+    groups = k.shape[2]
+    _check_heads(heads, groups)
+    if mask.shape not in ((batch, q_len, k.shape[1]), (1, q_len, k.shape[1])):
+        raise AttentionError(
+            f"mask {mask.shape} must be (batch or 1, queries, keys) = ({batch} or 1, {q_len}, {k.shape[1]})."
+        )
+    q = q.reshape(batch, q_len, groups, heads // groups, head_dim)  # (B, Tq, G, H/G, K): no repeated k/v
+    scores = _einsum32("btgjk,bsgk->bgjts", q, k) / math.sqrt(head_dim)
+    scores = jnp.where(mask[:, None, None], scores, _MASKED)  # (B, G, H/G, Tq, Tk)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bgjts,bsgk->btgjk", probs, v)
+    return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
+
+
+def causal_mask(seq_len: int, segment_ids: jax.Array | None = None, sliding_window: int | None = None) -> jax.Array:
+    """(B or 1, T, T) bool: query t may attend key s (causal, within its segment and the window)."""
+    positions = jnp.arange(seq_len)
+    same_segment = None if segment_ids is None else segment_ids[:, :, None] == segment_ids[:, None, :]
+    mask = _allowed(positions, positions, same_segment, sliding_window)
+    return mask if mask.ndim == 3 else mask[None]
+
+
+def _allowed(q_pos: jax.Array, k_pos: jax.Array, same_segment: jax.Array | None, window: int | None) -> jax.Array:
+    """(..., Tq, Tk) bool from query and key positions: causal, within the window, within the segment."""
+    ok = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        ok &= q_pos[:, None] - k_pos[None, :] < window
+    return ok if same_segment is None else ok & same_segment
+
+
+def _check_inputs(q, k, v, segment_ids, sliding_window) -> None:
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise AttentionError(
+            f"attention takes q (B, T, H, K) and k, v (B, T, G, K) of equal shapes; got q {q.shape}, k {k.shape}, "
+            f"v {v.shape}."
+        )
+    (batch, seq_len, heads, head_dim), groups = q.shape, k.shape[2]
+    if k.shape[:2] != (batch, seq_len) or k.shape[3] != head_dim:
+        raise AttentionError(f"k/v {k.shape} do not match q {q.shape} in batch, sequence or head dim.")
+    _check_heads(heads, groups)
+    if segment_ids is not None and segment_ids.shape != (batch, seq_len):
+        raise AttentionError(f"segment_ids {segment_ids.shape} must be (batch, seq) = {(batch, seq_len)}.")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise AttentionError(f"sliding_window {sliding_window!r} must be a positive int (tokens seen) or None.")
+
+
+def _check_heads(heads: int, groups: int) -> None:
+    if heads % groups:
+        raise AttentionError(
+            f"{groups} kv heads do not divide {heads} query heads: grouped-query attention needs n_kv_heads to "
+            f"divide n_heads (e.g. {', '.join(str(g) for g in range(1, heads + 1) if heads % g == 0)})."
+        )
+
+
+def _platform() -> str:
+    """The platform the program is being built for: the active mesh's devices (maybe compile-only), else JAX's."""
+    mesh = active_mesh()
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def _reference(q, k, v, segment_ids, window) -> jax.Array:
+    return masked_attention(q, k, v, causal_mask(q.shape[1], segment_ids, window))
+
+
+def _xla(q, k, v, segment_ids, window) -> jax.Array:
+    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, local_window_size=_left_window(window), implementation="xla"
+    )
+
+
+def _left_window(window: int | None) -> tuple[int, int] | None:
+    """jax.nn.dot_product_attention's (left, right) window: t attends t - left ..., so left = W - 1."""
+    return None if window is None else (window - 1, 0)
+
+
+def _cudnn(q, k, v, segment_ids, window) -> jax.Array:
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise AttentionError(
+            f"attention implementation 'cudnn' takes bfloat16 or float16 q/k/v, got {q.dtype}: compute in bf16, or "
+            f"use 'xla' (or 'auto', which picks it for float32 on GPU)."
+        )
+    k, v, kv_names = _kv_split_like_q(q, k, v)
+    if segment_ids is None:
+        kernel = functools.partial(_cudnn_causal, window=window)
+        return per_device(kernel, [_Q, kv_names, kv_names], _Q)(q, k, v)
+    kernel = functools.partial(_cudnn_packed, window=window)
+    return per_device(kernel, [_Q, kv_names, kv_names, _SEGMENTS], _Q)(q, k, v, segment_ids)
+
+
+def _cudnn_causal(q, k, v, *, window) -> jax.Array:
+    # Per device: q (b, T, h, K), k and v (b, T, g, K).
+    return _cudnn_call(
+        jax.nn.dot_product_attention,
+        q, k, v, is_causal=True, local_window_size=_left_window(window), implementation="cudnn",
+    )  # fmt: skip
+
+
+def _cudnn_packed(q, k, v, segment_ids, *, window) -> jax.Array:
+    """Packed documents through cuDNN's segment offsets (its THD layout): jax.nn.dot_product_attention has no
+    segment ids, and a (B, 1, T, T) mask would cost the T² memory the kernel exists to avoid."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    offsets, lengths = _segment_offsets(segment_ids)  # per device: (b, T + 1), (b, T)
+    return _cudnn_call(
+        cudnn.dot_product_attention,
+        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+        scale=1 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=window,
+    )  # fmt: skip
+
+
+def _cudnn_call(fn, *args, **kwargs) -> jax.Array:
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as error:
+        if "cudnn" not in str(error).lower():
+            raise
+        raise AttentionError(f"attention implementation 'cudnn': {error} {_CUDNN_INSTALL} Or use 'xla'.") from error
+    except NotImplementedError as error:  # JAX's checks of the shape and the GPU against cuDNN's flash attention
+        raise AttentionError(
+            f"attention implementation 'cudnn' cannot run this: {error} Use 'xla' or 'chunked'."
+        ) from error
+
+
+_CUDNN_INSTALL = "The CUDA plugin loads cuDNN from the nvidia-cudnn-cu12 package (jax[cuda12] brings it)."
+
+
+@functools.cache
+def _cudnn_loadable() -> bool:
+    """Whether JAX finds cuDNN; warns once where it does not, since `auto` then runs XLA's slower attention."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    try:
+        cudnn.check_cudnn_version()
+        return True
+    except RuntimeError as error:
+        warnings.warn(f"attention 'auto' on GPU uses 'xla': {error} {_CUDNN_INSTALL}", stacklevel=3)
+        return False
+
+
+@functools.cache
+def _cudnn_packs() -> bool:
+    """Whether cuDNN takes packed documents here: JAX asks the live GPU for Hopper or later (compiling ahead of
+    time from a CPU-only process it finds none). Warns once where not, since `auto` then runs XLA's attention."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    if cudnn.check_compute_capability("9.0"):
+        return True
+    warnings.warn(
+        "attention 'auto' on GPU uses 'xla' for packed documents: cuDNN's packed layout needs a Hopper or later GPU "
+        "(and JAX sees none in this process)",
+        stacklevel=3,
+    )
+    return False
+
+
+def _segment_offsets(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cuDNN's packed layout of each row's runs of equal ids, as JAX's own packed-layout test writes it: offsets
+    (B, T + 1), each run's first token, then -1; lengths (B, T), each run's length, then -1."""
+    batch, seq_len = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    runs = starts.sum(axis=1, keepdims=True)  # (B, 1)
+    offsets = jax.vmap(lambda row: jnp.nonzero(row, size=seq_len + 1, fill_value=seq_len)[0])(starts)
+    lengths = jnp.diff(offsets, axis=1)
+    slot = jnp.arange(seq_len + 1)[None]
+    offsets = jnp.where(slot < runs, offsets, -1)
+    lengths = jnp.where(slot[:, :seq_len] < runs, lengths, -1)
+    return offsets.astype(jnp.int32), lengths.astype(jnp.int32)
+
+
+def _kv_split_like_q(q, k, v) -> tuple[jax.Array, jax.Array, tuple]:
+    """k, v and the dim names to split them by for a per-device kernel: each device must hold the kv heads of its
+    own query heads. Where the rules split query heads but not kv heads (tensor does not divide G), k and v are
+    repeated to H heads and split like the queries."""
+    if activation_spec(("heads",), (q.shape[2],)) == activation_spec(("kv_heads",), (k.shape[2],)):
+        return k, v, _KV
+    repeats = q.shape[2] // k.shape[2]
+    return jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2), _Q
+
+
+def _splash(q, k, v, segment_ids, window, *, interpret: bool) -> jax.Array:
+    k, v, kv_names = _kv_split_like_q(q, k, v)
+    kernel = functools.partial(_splash_per_device, window=window, interpret=interpret)
+    if segment_ids is None:
+        return per_device(kernel, [_Q, kv_names, kv_names], _Q)(q, k, v)
+    return per_device(kernel, [_Q, kv_names, kv_names, _SEGMENTS], _Q)(q, k, v, segment_ids)
+
+
+def _splash_per_device(q, k, v, segment_ids=None, *, window, interpret) -> jax.Array:
+    """Per device: q (b, T, h, K), k and v (b, T, g, K), segment_ids (b, T) -> (b, T, h, K)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+    seq_len, heads, head_dim = q.shape[1:]
+    padded = -(-seq_len // _SPLASH_BLOCK) * _SPLASH_BLOCK
+    # The kernel takes one example's (heads, T, K), T a multiple of its blocks, and leaves scaling to the caller.
+    # Padding goes at the end, where causality hides it from every real query.
+    q, k, v = (_pad_seq(x, padded).transpose(0, 2, 1, 3) for x in (q * (1 / math.sqrt(head_dim)), k, v))
+    segments = None if segment_ids is None else _pad_seq(segment_ids, padded)
+    kernel = _splash_kernel(heads, padded, window, interpret)
+
+    def one_example(q, k, v, segments):
+        ids = None if segments is None else splash.SegmentIds(q=segments, kv=segments)
+        return kernel(q, k, v, segment_ids=ids)
+
+    out = jax.vmap(one_example)(q, k, v, segments)  # (b, h, T', K)
+    return out.transpose(0, 2, 1, 3)[:, :seq_len].astype(q.dtype)
+
+
+def _splash_kernel(heads: int, seq_len: int, window: int | None, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    shape = (seq_len, seq_len)
+    one_head = masks.CausalMask(shape) if window is None else masks.LocalMask(shape, (window - 1, 0), offset=0)
+    block = max(b for b in (512, 256, 128) if seq_len % b == 0)
+    sizes = splash.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+    )  # fmt: skip
+    return splash.make_splash_mha(
+        masks.MultiHeadMask([one_head] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
+
+
+def _pad_seq(x: jax.Array, length: int, value: int = 0) -> jax.Array:
+    """x (B, T, ...) padded at the end of T to `length`."""
+    widths = [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def chunked_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    sliding_window: int | None = None,
+    block_size: int = CHUNK,
+) -> jax.Array:
+    """`attention(..., implementation="chunked")` with its block length: blockwise online-softmax attention.
+
+    Query block i visits only the key blocks at or below the diagonal and inside the window; the backward
+    recomputes each block's probabilities from the saved output and log-sum-exp (FlashAttention-2), so memory
+    grows linearly in T. T need not divide by `block_size`: the sequence is padded at its end.
+    """
+    _check_inputs(q, k, v, segment_ids, sliding_window)
+    batch, seq_len, heads, head_dim = q.shape
+    groups = k.shape[2]
+    block = min(block_size, seq_len)
+    count = -(-seq_len // block)
+    padded = count * block
+    if segment_ids is None:
+        segment_ids = jnp.zeros((batch, seq_len), jnp.int32)
+
+    def blocks(x, value=0):  # (B, T, *rest) -> (n, B, *rest[:-1], block, rest[-1]), or (n, B, block) for rest = ()
+        x = _pad_seq(x, padded, value).reshape(batch, count, block, *x.shape[2:])
+        return jnp.moveaxis(x, (1, 2), (0, -2 if x.ndim > 3 else -1))
+
+    q_blocks = blocks(q.reshape(batch, seq_len, groups, heads // groups, head_dim))  # (n, B, G, H/G, b, K)
+    out = _flash(sliding_window, q_blocks, blocks(k), blocks(v), blocks(segment_ids, -1))
+    out = jnp.moveaxis(out, (0, -2), (1, 2)).reshape(batch, padded, heads, head_dim)
+    return out[:, :seq_len]
+
+
+def _chunked(q, k, v, segment_ids, window) -> jax.Array:
+    return chunked_attention(q, k, v, segment_ids=segment_ids, sliding_window=window)
+
+
+# Inside the blockwise kernel: q (n, B, G, J, b, K) with J = H/G query heads per kv head, k and v (n, B, G, b, K),
+# segments (n, B, b), the output like q, lse (n, B, G, J, b) float32; n blocks of b tokens.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(window, q, k, v, segments) -> jax.Array:
+    return _flash_forward(window, q, k, v, segments)[0]
+
+
+def _flash_forward(window, q, k, v, segments) -> tuple[jax.Array, jax.Array]:
+    """(output, log-sum-exp) by the online softmax over each query block's visible key blocks."""
+    block = q.shape[-2]
+
+    def query_block(i):
+        def visit(j, carry):
+            top, total, acc = carry  # running max, sum of exp and weighted values of this block's rows
+            scores, allowed = _block_scores(window, q[i], k[j], segments[i], segments[j], i, j)
+            new_top = jnp.maximum(top, scores.max(axis=-1))
+            probs = jnp.where(allowed, jnp.exp(scores - new_top[..., None]), 0.0)
+            rescale = jnp.exp(top - new_top)
+            total = total * rescale + probs.sum(axis=-1)
+            values = _einsum32("bgjqs,bgsk->bgjqk", probs.astype(v.dtype), v[j])
+            return new_top, total, acc * rescale[..., None] + values
+
+        rows = q.shape[1:-1]
+        init = _varying_like((jnp.full(rows, _MASKED), jnp.zeros(rows), jnp.zeros(q.shape[1:])), q, k, v, segments)
+        top, total, acc = jax.lax.fori_loop(_first_key_block(i, window, block), i + 1, visit, init)
+        return (acc / total[..., None]).astype(q.dtype), top + jnp.log(total)
+
+    return jax.lax.map(query_block, jnp.arange(q.shape[0]))
+
+
+def _flash_fwd(window, q, k, v, segments):
+    out, lse = _flash_forward(window, q, k, v, segments)
+    return out, (q, k, v, segments, out, lse)
+
+
+def _flash_bwd(window, residuals, d_out):
+    """FlashAttention-2's backward: per key block, the dk and dv of every query block that sees it, with the
+    probabilities recomputed from the saved log-sum-exp; dq accumulates across key blocks."""
+    q, k, v, segments, out, lse = residuals
+    count, block = q.shape[0], q.shape[-2]
+    scale = 1 / math.sqrt(q.shape[-1])
+    delta = jnp.einsum("nbgjqk,nbgjqk->nbgjq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+
+    def key_block(dq, j):
+        def visit(i, carry):
+            dk, dv, dq = carry
+            scores, allowed = _block_scores(window, q[i], k[j], segments[i], segments[j], i, j)
+            probs = jnp.where(allowed, jnp.exp(scores - lse[i][..., None]), 0.0)  # (B, G, J, b, b)
+            dv += _einsum32("bgjqs,bgjqk->bgsk", probs.astype(d_out.dtype), d_out[i])
+            d_probs = _einsum32("bgjqk,bgsk->bgjqs", d_out[i], v[j])
+            d_scores = (probs * (d_probs - delta[i][..., None]) * scale).astype(q.dtype)  # w.r.t. q.k, scale in
+            dk += _einsum32("bgjqs,bgjqk->bgsk", d_scores, q[i])
+            dq = dq.at[i].add(_einsum32("bgjqs,bgsk->bgjqk", d_scores, k[j]))
+            return dk, dv, dq
+
+        zeros = _varying_like(jnp.zeros(k.shape[1:]), q, k, v, segments, d_out)
+        dk, dv, dq = jax.lax.fori_loop(j, _last_query_block(j, window, block, count) + 1, visit, (zeros, zeros, dq))
+        return dq, (dk, dv)
+
+    dq = _varying_like(jnp.zeros(q.shape), q, k, v, segments, d_out)
+    dq, (dk, dv) = jax.lax.scan(key_block, dq, jnp.arange(count))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _varying_like(init, *arrays):
+    """`init` typed as varying over every manual mesh axis that `arrays` vary over: inside a shard_map (e.g. the
+    pipeline's) a loop's carry must keep the type the body gives it."""
+    axes = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in arrays))))
+    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), init) if axes else init
+
+
+def _block_scores(window, q_block, k_block, q_segments, k_segments, i, j) -> tuple[jax.Array, jax.Array]:
+    """Scaled scores (B, G, J, b, b) float32 of query block i against key block j, masked, and the mask."""
+    block = q_block.shape[-2]
+    scores = _einsum32("bgjqk,bgsk->bgjqs", q_block, k_block)
+    scores = scores / math.sqrt(q_block.shape[-1])
+    positions = jnp.arange(block)
+    same_segment = (q_segments[:, :, None] == k_segments[:, None, :])[:, None, None]  # (B, 1, 1, b, b)
+    allowed = _allowed(i * block + positions, j * block + positions, same_segment, window)
+    return jnp.where(allowed, scores, _MASKED), allowed
+
+
+def _first_key_block(i, window: int | None, block: int):
+    """The first key block any query of block i sees: 0, or where its first query's window starts."""
+    return 0 if window is None else jnp.maximum(0, (i * block - window + 1) // block)
+
+
+def _last_query_block(j, window: int | None, block: int, count: int):
+    """The last query block that sees any key of block j: the last, or where its last key leaves the windows."""
+    return count - 1 if window is None else jnp.minimum(count - 1, (j * block + block + window - 2) // block)

@@ -11,6 +11,7 @@ jaxtrain comm --model gpt-tiny --mesh gpu-1x8 --aot-topology h100:8   # bytes se
 jaxtrain meshes                        # the shipped mesh layouts
 jaxtrain inspect runs/x/ckpt           # a checkpoint's steps, arrays, shapes, dtypes and sizes, from metadata alone
 jaxtrain export runs/x/ckpt/400 runs/x-params-400   # the params alone, for evaluation or fine-tuning on any mesh
+jaxtrain generate --restore runs/x/ckpt --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95
 
 Exit status: 0 done; 2 bad input (a one-line error saying what to change, as argparse's own); 74 a checkpoint could
 not be written (fix the storage and rerun: it resumes); 128 + N stopped by signal N after saving (143 SIGTERM, 130
@@ -435,6 +436,89 @@ def export_main(argv: Sequence[str]) -> int:
     return 0
 
 
+@command
+def generate_main(argv: Sequence[str]) -> int:
+    """Continue prompts with a trained language model: token ids in and out (--prompt-ids), or text (--prompt)."""
+    args = _generate_parser().parse_args(argv)
+    if args.simulated_devices is not None:
+        use_simulated_devices(args.simulated_devices)
+    enable_compilation_cache()
+    from jaxtrain.inference.generate import Generator
+
+    prompt_ids = _prompt_ids(args.prompt_ids) if args.prompt_ids else None  # a typo is an error before restoring
+    generator = Generator.restore(args.restore, args.mesh)
+    tokenizer = None if prompt_ids else generator.tokenizer
+    prompts = prompt_ids or [tokenizer.encode(text) for text in args.prompt]
+    result = generator.generate(
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_id=args.eos_id,
+    )
+    for number, row in enumerate(result.tokens):
+        if not tokenizer:
+            print(" ".join(map(str, row)))
+            continue
+        if len(prompts) > 1:  # texts span lines: a header says where each begins
+            print(f"--- prompt {number + 1}: {args.prompt[number]!r}")
+        print(tokenizer.decode(row))
+    return 0
+
+
+def _generate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxtrain generate",
+        description="Continue prompts with a trained language model, rebuilt from the config its checkpoint stores: "
+        "the prompt batch is prefilled at once, then one token a step with a KV cache sharded like training's "
+        "activations. With --prompt-ids, prints each continuation's token ids (space-separated, a line per prompt); "
+        "with --prompt, its text (byte-level, as jaxtrain's text data), after a header line per prompt when there "
+        "are several.",
+    )
+    parser.add_argument("--restore", required=True, help="a step directory, a params export, or a run directory")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeat for several)")
+    prompt.add_argument(
+        "--prompt-ids",
+        action="append",
+        metavar="IDS",
+        help="token ids 1,2,3, used exactly as given; several prompts: repeat the flag, or separate them by ';'",
+    )
+    parser.add_argument("--max-new-tokens", type=flag_type(at_least=1), default=64, help="tokens to add (64)")
+    parser.add_argument(
+        "--temperature", type=flag_type(float, at_least=0), default=0.0, help="0 (default) is greedy decoding"
+    )
+    parser.add_argument("--top-k", type=flag_type(at_least=0), default=0, help="sample among the k likeliest (0: all)")
+    parser.add_argument(
+        "--top-p", type=flag_type(float, above=0, at_most=1), default=1.0, help="nucleus sampling mass (1: all)"
+    )
+    parser.add_argument("--seed", type=flag_type(at_least=0), default=0, help="seeds the sampling")
+    parser.add_argument("--eos-id", type=flag_type(at_least=0), help="stop a prompt's continuation at this token id")
+    parser.add_argument("--mesh", help="a layout name in meshes/, a .toml path, or inline data=2,tensor=2 (data=-1)")
+    parser.add_argument(
+        "--simulated-devices",
+        type=flag_type(at_least=1),
+        help="run on N simulated CPU devices (sets up the CPU backend before JAX starts)",
+    )
+    _debug_flag(parser)
+    return parser
+
+
+def _prompt_ids(given: list[str]) -> list[list[int]]:
+    """--prompt-ids values ('1,2,3', or several prompts '1,2;3,4') as lists of token ids."""
+    prompts = []
+    for text in (part for value in given for part in value.split(";")):
+        try:
+            prompts.append([int(t) for t in text.split(",") if t.strip()])
+        except ValueError:
+            raise UserInputError(
+                f"--prompt-ids '{text}': expected comma-separated integer token ids, e.g. --prompt-ids 1,2,3."
+            ) from None
+    return prompts
+
+
 def _host_only() -> None:
     """Keep JAX on the CPU: inspecting and exporting read files on the host, and the accelerators may be busy
     training (JAX would otherwise claim most of a GPU's memory on start)."""
@@ -456,6 +540,7 @@ COMMANDS = {
     "meshes": meshes_main,
     "inspect": inspect_main,
     "export": export_main,
+    "generate": generate_main,
 }
 
 

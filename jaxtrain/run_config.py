@@ -243,6 +243,13 @@ def load_config(path: str | Path | None = None, model: str | None = None, overri
     return _apply(cfg, [*from_file, *override_changes(cfg, overrides)])
 
 
+def config_from_table(table: dict[str, Any], source: str) -> RunConfig:
+    """The run config that `table` describes, in the shape a run config file has (`config_table`'s; also the JSON a
+    checkpoint's meta stores): its `model_name`'s preset, then the table's keys. `source` names it in errors."""
+    cfg = _file_preset(table, source)
+    return _apply(cfg, _checked(cfg, list(_file_changes(cfg, table, source)), f"config file '{source}'"))
+
+
 def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
     """Apply `key=value` strings. Keys: a field name if unique (`n_layers`), or `section.field`; `rules.NAME=axes`.
 

@@ -232,10 +232,12 @@ class Block(nnx.Module):
         self.cfg = cfg
         self.attn_norm = constant_param(1.0, (d,), ("norm",))
         self.w_q = normal_param(rngs, (d, h, k), ("embed", "heads", "kv"), 0.02)
-        self.w_kv = normal_param(rngs, (d, 2, g, k), ("embed", "qkv", "kv_heads", "kv"), 0.02)
+        self.w_k = normal_param(rngs, (d, g, k), ("embed", "kv_heads", "kv"), 0.02)
+        self.w_v = normal_param(rngs, (d, g, k), ("embed", "kv_heads", "kv"), 0.02)
         if cfg.qkv_bias:
             self.b_q = constant_param(0.0, (h, k), ("heads", "kv"))
-            self.b_kv = constant_param(0.0, (2, g, k), ("qkv", "kv_heads", "kv"))
+            self.b_k = constant_param(0.0, (g, k), ("kv_heads", "kv"))
+            self.b_v = constant_param(0.0, (g, k), ("kv_heads", "kv"))
         if cfg.qk_norm:
             self.q_norm = constant_param(1.0, (k,), ("norm",))
             self.k_norm = constant_param(1.0, (k,), ("norm",))
@@ -289,11 +291,10 @@ class Block(nnx.Module):
         """Queries (B, T, H, K) and keys, values (B, T, G, K) of x (B, T, D): biased, normed, rotated as set."""
         dtype = x.dtype
         q = jnp.einsum("btd,dhk->bthk", x, self.w_q[...].astype(dtype))
-        kv = jnp.einsum("btd,dcgk->cbtgk", x, self.w_kv[...].astype(dtype))  # (2, B, T, G, K)
+        k = jnp.einsum("btd,dgk->btgk", x, self.w_k[...].astype(dtype))
+        v = jnp.einsum("btd,dgk->btgk", x, self.w_v[...].astype(dtype))
         if self.cfg.qkv_bias:
-            q = q + self.b_q[...].astype(dtype)
-            kv = kv + self.b_kv[...].astype(dtype)[:, None, None]
-        k, v = kv[0], kv[1]
+            q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.b_q), (k, self.b_k), (v, self.b_v)))
         if self.cfg.qk_norm:
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         q = constrain(rope.rotate(q), ("batch", "seq", "heads", "kv"))

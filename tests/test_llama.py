@@ -43,7 +43,7 @@ def test_head_dim_is_independent_of_the_width():
     cfg = GPTConfig(d_model=1024, n_heads=16, n_kv_heads=8, head_dim=128, d_ff=3072, mlp="swiglu", qk_norm=True)
     model = abstract_model(cfg)
     assert model.blocks.w_q.shape == (4, 1024, 16, 128)
-    assert model.blocks.w_kv.shape == (4, 1024, 2, 8, 128)
+    assert model.blocks.w_k.shape == model.blocks.w_v.shape == (4, 1024, 8, 128)
     built = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert built == cfg.num_params()
 
@@ -156,7 +156,7 @@ def test_key_value_heads_that_do_not_split_are_replicated_with_a_warning(caplog)
         run = make_run("tensor=4", ["n_kv_heads=1"], model="llama-tiny", devices=4)
     assert "1 kv_heads do not split over mesh axes ('tensor',)" in caplog.text
     specs = run.plan.param_specs["blocks"]
-    assert not any(specs["w_kv"])  # k and v whole on every device (fsdp=1 here)
+    assert not any(specs["w_k"]) and not any(specs["w_v"])  # k and v whole on every device (fsdp=1 here)
     assert specs["w_q"] == jax.sharding.PartitionSpec(None, None, "tensor", None)  # query heads still split
 
 

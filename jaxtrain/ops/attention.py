@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.errors import UserInputError
+from jaxtrain.ops.plain import is_plain
 from jaxtrain.sharding.constraints import activation_spec, active_mesh, per_device
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash", "chunked")
@@ -81,6 +82,8 @@ def attention(
             f"attention implementation '{chosen}' needs a {needs.upper()}, but this program runs on {platform}. Use "
             f"'auto' (picks per backend), 'chunked', 'xla' or 'reference'."
         )
+    if chosen == "chunked" and is_plain():
+        chosen = "reference"  # the same numbers, for a planner that reads the step (jaxtrain.ops.plain)
     run = {
         "reference": _reference,
         "xla": _xla,
@@ -180,9 +183,11 @@ def _check_heads(heads: int, groups: int) -> None:
 
 
 def _platform() -> str:
-    """The platform the program is being built for: the active mesh's devices (maybe compile-only), else JAX's."""
+    """The platform the program is being built for: the active mesh's devices (maybe compile-only), else JAX's.
+    The planner traces on an abstract mesh, which has no devices: there JAX's backend (where the plan is made)."""
     mesh = active_mesh()
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    concrete = isinstance(mesh, jax.sharding.Mesh)
+    platform = mesh.devices.flat[0].platform if concrete else jax.default_backend()
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 

@@ -75,6 +75,8 @@ DEFAULT_ACTIVATION_RULES: dict[str, AxisRule] = {
     "vocab": ("tensor",),
     # A KV cache's slots (generation): whole on every device, like `seq`.
     "cache_seq": (),
+    # A KV cache's stacked layers: every device holds all of them (generation runs without a pipeline).
+    "layers": (),
     "features": (),
     "classes": (),
     # The batch dim inside a ResNet's convolutions: split over every axis but pipeline, tensor and expert included,

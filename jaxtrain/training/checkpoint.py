@@ -40,6 +40,7 @@ from jax.experimental import multihost_utils
 from jaxtrain.analysis.memory import total_bytes
 from jaxtrain.errors import UserInputError
 from jaxtrain.formatting import fmt_bytes, format_table
+from jaxtrain.run_config import RunConfig, config_from_table
 from jaxtrain.training.save_failure import SaveFailureBroadcast
 
 PyTree = Any
@@ -304,6 +305,39 @@ def restore_params(path: str | Path, abstract_params: PyTree) -> tuple[PyTree, d
     item = _params_item(path)
     _check_shapes(path, {"params": abstract_params}, item)
     return _read_params(path, item, abstract_params)
+
+
+def find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint `path` names and its meta: a step directory or params export itself, a run directory's newest
+    step whose meta reads back. Anything else is a `CheckpointError` saying what was expected."""
+    path = Path(path).absolute()
+    if (path / "state").is_dir() or is_params_export(path):
+        return path, _read_meta(path)
+    found = newest_meta(path)
+    if found is None:
+        raise _no_checkpoint(path, f"a run directory (numbered step directories), {_STEP_DIR}, or {_EXPORT_DIR}")
+    return found
+
+
+# What a model's use after training (generation, evaluation) needs of the run config a checkpoint stores: the model,
+# its data (the tokenizer) and the sharding rules. The rest (optimizer, schedule, loop settings) is not read, so a
+# checkpoint stays usable after jaxtrain renames one of those keys.
+_MODEL_KEYS = ("model_name", "model", "rules")
+
+
+def trained_config(path: Path, meta: dict[str, Any]) -> RunConfig:
+    """The run config of the model in checkpoint `path` (meta `meta`, from `find_checkpoint`): its model and preset,
+    model settings, data source and sharding rules as trained; every other key at its preset's default."""
+    stored = meta.get("config")
+    if not isinstance(stored, dict) or "model_name" not in stored:
+        raise CheckpointError(
+            f"checkpoint {path} stores no run config, so its model cannot be rebuilt: use a checkpoint or export "
+            "written by `jaxtrain train` / `jaxtrain export`."
+        )
+    table = {key: stored[key] for key in _MODEL_KEYS if key in stored}
+    if "source" in stored.get("data", {}):
+        table["data"] = {"source": stored["data"]["source"]}
+    return config_from_table(table, f"{path} (the config it stores)")
 
 
 def describe_checkpoint(path: str | Path) -> str:

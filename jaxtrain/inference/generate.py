@@ -1,0 +1,358 @@
+"""Text generation from a trained language model, with a KV cache laid out by the training sharding rules.
+
+A `Generator` holds a model's params on a mesh, placed as training places them (`jaxtrain.training.plan`), and one
+compiled program per batch shape: the whole right-padded prompt batch is prefilled in one `model.extend` call, then a
+`lax.while_loop` adds one token per step until every row has met `eos_id` or `max_new_tokens` are written. The KV
+cache is sharded by the activation rules through the model's `cache_names()` (batch over the data axes, kv heads
+over `tensor`). Prompts may differ in length: row i's first new token goes at position len_i, over the padding, so
+no later token attends to a pad. Batch rows are padded to a multiple of the data axes and prompt lengths rounded up
+to a power of two, so calls of similar sizes reuse one compiled program.
+
+The model must follow the decoder protocol (`models/gpt.py`): `init_cache(batch, max_len)`, `cache_names()` and
+`extend(tokens, positions, cache) -> (logits, cache)`.
+
+    >>> generator = Generator.restore("runs/x/ckpt/400", mesh="data=2,tensor=2")          # doctest: +SKIP
+    >>> generator.generate([[72, 105], [84]], max_new_tokens=20, temperature=0.8, top_p=0.9).tokens  # doctest: +SKIP
+    >>> generate("runs/x/ckpt/400", [[72, 105]], max_new_tokens=20)                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxtrain.errors import UserInputError
+from jaxtrain.inference.sampling import Sampling, sample
+from jaxtrain.registry import resolve_model
+from jaxtrain.run_config import RunConfig
+from jaxtrain.sharding.constraints import activation_sharding
+from jaxtrain.sharding.mesh import MeshLayout, build_mesh, parse_layout
+from jaxtrain.sharding.rules import ShardingRules, logical_to_spec
+from jaxtrain.training.checkpoint import find_checkpoint, restore_params, trained_config
+from jaxtrain.training.distributed import to_host
+from jaxtrain.training.model import ModelParts, split_model
+from jaxtrain.training.plan import Plan, make_plan
+
+PyTree = Any
+NO_EOS = -1  # the eos id the program is given when there is none: no token equals it
+STOPPED = -1  # what the output holds after a row has stopped
+MIN_PROMPT_BUCKET = 8
+DECODER_METHODS = ("init_cache", "cache_names", "extend")
+
+
+class GenerationError(UserInputError):
+    """A prompt, setting or model that generation cannot take."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """The continuation of each prompt (ending with `eos_id` where a row met it) and, if asked for, the logits each
+    new token was chosen from: one float32 array (len(tokens[i]), vocab) per prompt."""
+
+    tokens: list[list[int]]
+    logits: list[np.ndarray] | None = None
+
+
+class ByteTokenizer:
+    """The tokenizer of jaxtrain's text data (`builtin` and text files, `jaxtrain.data.datasets.ByteText`): one token
+    per UTF-8 byte."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`; a byte sequence that is not UTF-8 (a character cut at a prompt's end) shows U+FFFD."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def tokenizer_for(cfg: RunConfig) -> ByteTokenizer:
+    """The tokenizer the model of `cfg` trained with; an error for data that has no text (synthetic tokens)."""
+    if cfg.data.source == "synthetic":
+        raise GenerationError(
+            f"model {cfg.model_name} was trained on data.source=synthetic (random token ids), which has no text to "
+            "encode a prompt in: give the prompt as token ids (--prompt-ids 1,2,3)."
+        )
+    return ByteTokenizer()
+
+
+def generation_plan(mesh: Mesh, rules: ShardingRules, model: ModelParts) -> Plan:
+    """The params' shardings on `mesh` as training lays them out; generation keeps no optimizer state."""
+    if mesh.shape["pipeline"] > 1:
+        raise GenerationError(
+            f"generation runs each token through every layer, without a pipeline: the mesh has pipeline="
+            f"{mesh.shape['pipeline']}. Give a --mesh without a pipeline axis (e.g. data=2,tensor=2)."
+        )
+    return make_plan(mesh, rules, model, optax.identity())
+
+
+class Generator:
+    """A language model's params on a mesh and its decoding program, compiled once per batch shape and reused.
+
+    Build one with `Generator.restore(path)` (a checkpoint or export: the model comes from the config it stores),
+    `Generator.from_training(summary)` (what `jaxtrain.train` returns), or from a `Plan` and its params."""
+
+    def __init__(self, plan: Plan, params: PyTree, cfg: RunConfig | None = None):
+        """`params` in the model's layer order (placed here into `plan`'s shardings); `cfg` the run config the
+        model trained with, for its tokenizer."""
+        self.plan, self.cfg = plan, cfg
+        self.params = jax.device_put(params, plan.state_shardings["params"])
+        module = nnx.merge(plan.model.graphdef, self.params)
+        missing = [name for name in DECODER_METHODS if not callable(getattr(module, name, None))]
+        if missing:
+            raise GenerationError(
+                f"model {cfg.model_name if cfg else type(module).__name__} has no {', '.join(missing)}: generation "
+                "needs a decoder with a KV cache (init_cache, cache_names, extend; see models/gpt.py)."
+            )
+        self.cache_names = module.cache_names()
+        self.vocab_size = jax.eval_shape(module.extend, *_probe(module))[0].shape[-1]
+        mesh = plan.mesh
+        self.batch_ways = math.prod(mesh.shape[a] for a in plan.rules.batch_axes())
+        self._program = jax.jit(
+            self._decode,
+            static_argnames=("max_new_tokens", "cache_len", "return_logits"),
+            out_shardings=plan.replicated,  # every process reads the whole result
+        )
+
+    @classmethod
+    def restore(
+        cls, path: str | Path, mesh: str | Mesh | None = None, devices: Sequence[jax.Device] | None = None
+    ) -> Generator:
+        """The model in checkpoint `path` (a step directory, a params export, or a run directory: its newest step),
+        rebuilt from the config it stores, its params restored onto `mesh` (a layout name, inline `data=2,tensor=2`,
+        or a Mesh; default: all `devices` on `data`) with the sharding rules it trained with. A layout of a fixed
+        size takes the first that many devices: a few prompts need not occupy a whole host."""
+        step_dir, meta = find_checkpoint(path)
+        cfg = trained_config(step_dir, meta)
+        spec, _ = resolve_model(cfg.model_name)
+        if spec.task != "lm":
+            raise GenerationError(
+                f"checkpoint {step_dir} holds model {cfg.model_name}, a {spec.task} model: generation needs a "
+                "language model (task lm, e.g. gpt or llama)."
+            )
+        layout = parse_layout(mesh if isinstance(mesh, str) else "data=-1")
+        rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
+        mesh = _mesh(mesh, devices)
+        plan = generation_plan(
+            mesh, rules, split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
+        )
+        params, _ = restore_params(step_dir, plan.abstract_state["params"])
+        return cls(plan, params, cfg)
+
+    @classmethod
+    def from_training(
+        cls, summary: Mapping[str, Any], mesh: str | Mesh | None = None, devices: Sequence[jax.Device] | None = None
+    ) -> Generator:
+        """The model `jaxtrain.train` just trained (its summary's `run` and `state`), on the run's mesh or on `mesh`
+        (as `restore` takes it), with the run's sharding rules."""
+        run, state = summary["run"], summary["state"]
+        params = run.plan.params_in_model_order(state["params"])
+        plan = generation_plan(_mesh(mesh, devices) if mesh else run.plan.mesh, run.plan.rules, run.plan.model)
+        return cls(plan, params, run.cfg)
+
+    @property
+    def tokenizer(self) -> ByteTokenizer:
+        if self.cfg is None:
+            raise GenerationError("this generator was built without the model's run config: give token ids.")
+        return tokenizer_for(self.cfg)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        eos_id: int | None = None,
+        return_logits: bool = False,
+    ) -> Generation:
+        """Continue each prompt (token ids) by up to `max_new_tokens` tokens, stopping a row at `eos_id` (kept as its
+        last token). Greedy when `temperature` is 0; else sampled with `top_k` / `top_p`, the same for the same
+        `seed`. Raises `GenerationError` (or `ConfigError` for a sampling setting) naming the bad value."""
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        self._check(prompts, max_new_tokens, eos_id)
+        tokens, lengths, live = self._batch(prompts)
+        rows = tokens.shape[0]
+        inputs = [tokens, lengths, live, *(np.asarray(x) for x in sampling.per_row(rows))]
+        put = [jax.device_put(x, self.plan.batch_sharding(x.shape)) for x in inputs]
+        scalars = [np.uint32(seed), np.int32(NO_EOS if eos_id is None else eos_id)]
+        cache_len = tokens.shape[1] + max_new_tokens - 1  # the last token is never written to the cache
+        out, logits = to_host(
+            self._program(
+                self.params,
+                *put,
+                *scalars,
+                max_new_tokens=max_new_tokens,
+                cache_len=cache_len,
+                return_logits=return_logits,
+            )
+        )
+        continuations = [[int(t) for t in row if t != STOPPED] for row in out[: len(prompts)]]
+        if not return_logits:
+            return Generation(continuations)
+        return Generation(continuations, [logits[i, : len(c)] for i, c in enumerate(continuations)])
+
+    def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None) -> None:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1.")
+        if not prompts:
+            raise GenerationError("no prompts given: give at least one prompt of token ids.")
+        vocab = f"0..{self.vocab_size - 1}, the model's vocabulary"
+        if eos_id is not None and not 0 <= eos_id < self.vocab_size:
+            raise GenerationError(f"eos_id={eos_id} is outside {vocab}: give an id in it, or none.")
+        for number, prompt in enumerate(prompts, 1):
+            if len(prompt) == 0:
+                raise GenerationError(f"prompt {number} is empty: give at least one token to continue.")
+            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int | np.integer)]
+            bad = bad or [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise GenerationError(
+                    f"prompt {number}: token id {bad[0]!r} is not an integer in {vocab}. Give ids in that range."
+                )
+
+    def _batch(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Prompts right-padded into (rows, P) int32, their lengths and which rows are real. Rows are padded to a
+        multiple of the data axes (padding rows are stopped from the start); P is a power of two."""
+        rows = -(-len(prompts) // self.batch_ways) * self.batch_ways
+        width = max(MIN_PROMPT_BUCKET, 1 << (max(map(len, prompts)) - 1).bit_length())
+        tokens = np.zeros((rows, width), np.int32)
+        lengths = np.ones((rows,), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = prompt
+            lengths[row] = len(prompt)
+        return tokens, lengths, np.arange(rows) < len(prompts)
+
+    # Long: prefill, then the decoding loop and its carry, read best as one piece; each part is a few lines.
+    def _decode(
+        self,
+        params: PyTree,
+        tokens: jax.Array,  # (B, P) int32, right-padded
+        lengths: jax.Array,  # (B,) int32
+        live: jax.Array,  # (B,) bool: False for padding rows
+        temperature: jax.Array,  # (B,) float32
+        top_k: jax.Array,  # (B,) int32
+        top_p: jax.Array,  # (B,) float32
+        seed: jax.Array,  # () uint32
+        eos_id: jax.Array,  # () int32
+        *,
+        max_new_tokens: int,
+        cache_len: int,
+        return_logits: bool,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """(B, max_new_tokens) new tokens (STOPPED after a row's end) and, if asked, the logits they came from."""
+        with activation_sharding(self.plan.mesh, self.plan.rules):
+            model = nnx.merge(self.plan.model.graphdef, params)
+            batch, width = tokens.shape
+            row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(seed), jnp.arange(batch))
+
+            def choose(logits, step):  # (B, V) -> (B,)
+                keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)
+                return sample(logits, keys, temperature, top_k, top_p)
+
+            cache = self._constrain(model.init_cache(batch, cache_len))
+            positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+            logits, cache = model.extend(tokens, positions, cache)  # (B, P, V)
+            last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
+            first = choose(last, 0)
+            out = jnp.full((batch, max_new_tokens), STOPPED, jnp.int32).at[:, 0].set(jnp.where(live, first, STOPPED))
+            seen = None
+            if return_logits:
+                seen = jnp.zeros((batch, max_new_tokens, last.shape[-1]), jnp.float32).at[:, 0].set(last)
+            done = ~live | (first == eos_id)
+            carry = (jnp.int32(1), first, lengths, self._constrain(cache), out, done, seen)
+
+            def running(carry):
+                step, *_, done, _ = carry
+                return (step < max_new_tokens) & ~jnp.all(done)
+
+            def one_token(carry):
+                step, token, position, cache, out, done, seen = carry
+                logits, cache = model.extend(token[:, None], position[:, None], cache)  # (B, 1, V)
+                token = choose(logits[:, 0], step)
+                out = out.at[:, step].set(jnp.where(done, STOPPED, token))
+                if return_logits:
+                    seen = seen.at[:, step].set(logits[:, 0])
+                done = done | (token == eos_id)
+                return step + 1, token, position + 1, self._constrain(cache), out, done, seen
+
+            _, _, _, _, out, _, seen = jax.lax.while_loop(running, one_token, carry)
+            return out, seen
+
+    def cache_shardings(self, batch: int, max_len: int) -> dict[str, NamedSharding]:
+        """How the KV cache of `batch` rows and `max_len` slots is laid out: the activation rules applied to the
+        model's `cache_names()` (batch over the data axes, kv heads over `tensor`)."""
+        module = nnx.merge(self.plan.model.graphdef, self.params)
+        shapes = jax.eval_shape(lambda: module.init_cache(batch, max_len))
+        return {name: self._cache_sharding(name, x.shape) for name, x in shapes.items()}
+
+    def _cache_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
+        mesh = self.plan.mesh
+        spec = logical_to_spec(self.cache_names[name], shape, self.plan.rules.activations, mesh, f"KV cache '{name}'")
+        return NamedSharding(mesh, spec)
+
+    def _constrain(self, cache: PyTree) -> PyTree:
+        return {
+            name: jax.lax.with_sharding_constraint(x, self._cache_sharding(name, x.shape)) for name, x in cache.items()
+        }
+
+
+def _mesh(mesh: str | Mesh | None, devices: Sequence[jax.Device] | None) -> Mesh:
+    """`mesh` itself, or the mesh of layout `mesh` (default `data=-1`) over `devices` (default: as many as it
+    needs)."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    layout = parse_layout(mesh or "data=-1")
+    return build_mesh(layout, devices or _layout_devices(layout))
+
+
+def _layout_devices(layout: MeshLayout) -> list[jax.Device]:
+    """Every device for a layout with a -1 axis, else the first as many as its sizes multiply to (all of them when
+    there are fewer: `build_mesh` then says the layout does not fit)."""
+    devices = jax.devices()
+    if -1 in layout.axes.values():
+        return devices
+    size = math.prod(layout.axes.values()) * math.prod(layout.dcn_axes.values())
+    return devices[:size] if size <= len(devices) else devices
+
+
+def _probe(module: nnx.Module) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, PyTree]:
+    """Abstract arguments of one `extend` call on a batch of one token, to read the model's vocabulary size."""
+    token = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return token, token, jax.eval_shape(lambda: module.init_cache(1, 1))
+
+
+def generate(
+    source: str | Path | Generator | Mapping[str, Any],
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+    mesh: str | Mesh | None = None,
+) -> list[list[int]]:
+    """The continuations of `prompts` (lists of token ids) by the model `source` names: a checkpoint or export
+    path, a `Generator`, or the summary `jaxtrain.train` returns. See `Generator.generate`; to generate more than
+    once, make a `Generator` and reuse its compiled program."""
+    if isinstance(source, Generator):
+        generator = source
+    elif isinstance(source, Mapping):
+        generator = Generator.from_training(source, mesh)
+    else:
+        generator = Generator.restore(source, mesh)
+    settings = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, "eos_id": eos_id}
+    return generator.generate(prompts, max_new_tokens=max_new_tokens, **settings).tokens

@@ -133,8 +133,8 @@ def test_adafactor_state_keeps_the_axes_of_the_dims_it_keeps():
     # embedding (vocab: tensor, embed: fsdp): the row statistic reduces the longer dim, vocab
     assert state[f"{moments}.v_row['embedding']"] == ((64,), P("fsdp"))
     assert state[f"{moments}.v_col['embedding']"] == ((256,), P("tensor"))
-    w_kv = run.plan.abstract_state["params"]["blocks"]["w_kv"]
-    assert state[f"{moments}.v['blocks']['w_kv']"] == (w_kv.shape, w_kv.sharding.spec)  # too narrow to factor
+    w_q = run.plan.abstract_state["params"]["blocks"]["w_q"]  # (layers, embed, heads, kv): too narrow to factor
+    assert state[f"{moments}.v['blocks']['w_q']"] == (w_q.shape, w_q.sharding.spec)
     assert state[f"{moments}.count"] == ((), P())
 
 
@@ -169,7 +169,7 @@ def muon_and_adamw_params(run) -> tuple[list[str], list[str]]:
 
 def test_muon_orthogonalises_the_weight_matrices_and_leaves_the_rest_to_adamw():
     matrices, others = muon_and_adamw_params(cached_run(MESH, overrides("muon")))
-    assert matrices == [f"['blocks']['{name}']" for name in ("w_down", "w_in", "w_kv", "w_out", "w_q")]
+    assert matrices == [f"['blocks']['{name}']" for name in ("w_down", "w_in", "w_k", "w_out", "w_q", "w_v")]
     assert others == [
         "['blocks']['attn_norm']",
         "['blocks']['mlp_norm']",
@@ -182,8 +182,8 @@ def test_muon_orthogonalises_the_weight_matrices_and_leaves_the_rest_to_adamw():
 def test_muon_on_llama_leaves_biases_qk_norms_and_the_tied_embedding_to_adamw():
     run = make_run("single", [*overrides("muon"), "qkv_bias=true", "qk_norm=true"], model="llama-tiny", devices=1)
     matrices, others = muon_and_adamw_params(run)  # built, not compiled
-    assert matrices == [f"['blocks']['{name}']" for name in ("w_down", "w_gate", "w_in", "w_kv", "w_out", "w_q")]
-    blocks = ("attn_norm", "b_kv", "b_q", "k_norm", "mlp_norm", "q_norm")
+    assert matrices == [f"['blocks']['{name}']" for name in ("w_down", "w_gate", "w_in", "w_k", "w_out", "w_q", "w_v")]
+    blocks = ("attn_norm", "b_k", "b_q", "b_v", "k_norm", "mlp_norm", "q_norm")
     assert others == [*(f"['blocks']['{name}']" for name in blocks), "['embedding']", "['final_norm']"]
 
 

@@ -49,24 +49,72 @@ from jaxtrain.parallel.updates import POLICIES
 from jaxtrain.registry import resolve_model
 from jaxtrain.settings import Settings, accepts_of, describe_field, problem, scalar_types, setting
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "lion", "muon")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig(Settings):
-    """AdamW (or plain SGD) with linear warmup, cosine decay to `min_lr_ratio * learning_rate`, and global-norm
-    clipping (`clip_norm` <= 0: none)."""
+    """The optimizer (`name`), with linear warmup, cosine decay to `min_lr_ratio * learning_rate`, global-norm
+    clipping (`clip_norm` <= 0: none) and decoupled weight decay, for every `name` alike. Fields named after one
+    optimizer (`adafactor_*`, `muon_*`) set only that one's options; setting them for another is an error."""
 
     section: ClassVar[str] = "optimizer"
 
-    name: str = setting("adamw", "sgd: plain SGD with decoupled weight decay", choices=OPTIMIZERS)
+    name: str = setting(
+        "adamw",
+        "sgd: plain SGD; adafactor: factored second moments (Shazeer & Stern); lion: sign of momentum (Chen et al.); "
+        "muon: orthogonalised momentum for weight matrices, AdamW for the rest (Jordan et al.)",
+        choices=OPTIMIZERS,
+    )
     learning_rate: float = setting(3e-3, "the peak, after warmup", at_least=0)
     warmup_steps: int = setting(20, "steps of linear warmup from 0", at_least=0)
     min_lr_ratio: float = setting(0.1, "the cosine decay ends at this fraction of learning_rate", at_least=0, at_most=1)
-    weight_decay: float = setting(0.1, "decoupled weight decay", at_least=0)
-    beta1: float = setting(0.9, "AdamW's first-moment decay", at_least=0, below=1)
-    beta2: float = setting(0.95, "AdamW's second-moment decay", at_least=0, below=1)
+    weight_decay: float = setting(0.1, "decoupled weight decay, times the scheduled learning rate", at_least=0)
+    beta1: float = setting(0.9, "first-moment decay of AdamW, Lion and Muon's AdamW", at_least=0, below=1)
+    beta2: float = setting(
+        0.95,
+        "second-moment decay of AdamW and Muon's AdamW; Lion's update momentum (its paper: 0.99)",
+        at_least=0,
+        below=1,
+    )
     clip_norm: float = setting(1.0, "global-norm gradient clipping; <= 0: none")
+    adafactor_factored: bool = setting(True, "factor the second moment of matrices into row and column statistics")
+    adafactor_min_dim_size_to_factor: int = setting(
+        128, "factor only where the two largest dims are at least this long", at_least=1
+    )
+    adafactor_decay_rate: float = setting(0.8, "the second moment decays as 1 - step^-decay_rate", above=0, at_most=1)
+    adafactor_clipping_threshold: float = setting(1.0, "clip each update's RMS to this; <= 0: none")
+    adafactor_parameter_scale: bool = setting(True, "scale the learning rate by each parameter's RMS (relative steps)")
+    adafactor_momentum: float = setting(
+        0.0, "first-moment decay; 0: none (the memory-saving default)", at_least=0, below=1
+    )
+    muon_momentum: float = setting(0.95, "Muon's momentum decay", at_least=0, below=1)
+    muon_nesterov: bool = setting(True, "Nesterov momentum (Muon's and its AdamW's)")
+    muon_ns_steps: int = setting(5, "Newton-Schulz iterations that orthogonalise each update", at_least=1)
+    muon_adam_learning_rate: float = setting(
+        0.0, "peak learning rate of the AdamW for the non-matrix params (same schedule); 0: learning_rate", at_least=0
+    )
+    muon_consistent_rms: float = setting(
+        0.0,
+        "0: scale updates by sqrt(max(1, fan_out / fan_in)) (Jordan); > 0: by sqrt(max(fan_in, fan_out)) times this, "
+        "0.2 matching AdamW's update RMS (Liu et al.), so AdamW's learning rate and weight decay carry over",
+        at_least=0,
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        foreign = [
+            f"{self.key(f.name)}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name.split("_")[0] in OPTIMIZERS
+            and not f.name.startswith(f"{self.name}_")
+            and getattr(self, f.name) != f.default
+        ]
+        if foreign:
+            raise ConfigError(
+                f"{', '.join(foreign)} set{'s' if len(foreign) == 1 else ''} another optimizer's option, but "
+                f"optimizer.name={self.name}: set optimizer.name to the optimizer the option belongs to, or drop it."
+            )
 
 
 @dataclasses.dataclass(frozen=True)

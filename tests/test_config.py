@@ -102,8 +102,12 @@ def test_describe_lists_every_key():
 
 def test_a_field_is_described_by_its_type_what_it_accepts_and_its_help():
     fields = {f.name: f for f in dataclasses.fields(OptimizerConfig)}
-    assert describe_field(OptimizerConfig, fields["beta1"]) == "float >= 0, < 1 · AdamW's first-moment decay"
-    assert describe_field(OptimizerConfig, fields["name"]).startswith("str: one of adamw, sgd · ")
+    assert describe_field(OptimizerConfig, fields["beta1"]) == (
+        "float >= 0, < 1 · first-moment decay of AdamW, Lion and Muon's AdamW"
+    )
+    assert describe_field(OptimizerConfig, fields["name"]).startswith(
+        "str: one of adamw, sgd, adafactor, lion, muon · "
+    )
     assert describe_field(TrainConfig, {f.name: f for f in dataclasses.fields(TrainConfig)}["progress"]).startswith(
         "bool · "
     )

@@ -100,7 +100,7 @@ def test_help_config_shows_type_choices_bounds_and_help(capsys):
     for shown in [
         '# str: one of float32, bfloat16, float16 · compute dtype; params stay float32\nmodel.dtype = "float32"',
         "# int >= 1 · transformer blocks\nmodel.n_layers = 2",
-        "# float >= 0, < 1 · AdamW's first-moment decay\noptimizer.beta1 = 0.9",
+        "# float >= 0, < 1 · first-moment decay of AdamW, Lion and Muon's AdamW\noptimizer.beta1 = 0.9",
         '# str: one of gpipe, 1f1b, interleaved · pipeline schedule\ntrain.schedule = "1f1b"',
         "# bool · a progress bar, not log lines\ntrain.progress = true",
     ]:
@@ -151,7 +151,7 @@ def test_the_cli_reads_the_file_under_its_flags(tmp_path, capsys):
         ('[train]\nprogress = "no"\n', ["train.progress='no': expected true or false"]),
         ("[optimizer]\nbeta1 = 1.0\n", ["optimizer.beta1=1.0: expected a finite number >= 0 and < 1"]),
         ('[model]\ndtype = "fp16"\n', ["model.dtype='fp16' is not one of float32, bfloat16, float16"]),
-        ('[optimizer]\nname = "lion"\n', ["optimizer.name='lion' is not one of adamw, sgd"]),
+        ('[optimizer]\nname = "adam"\n', ["optimizer.name='adam' is not one of adamw, sgd, adafactor, lion, muon"]),
         ('[train]\nsync = "async"\n', ["train.sync='async' is not one of synchronous, local_sgd, diloco, stale"]),
         ('[data]\npartition = "iid"\n', ["data.partition='iid' is not one of uniform, stratified, by_label"]),
         ("mesh = 8\n", ["mesh=8: expected a string"]),
@@ -182,7 +182,7 @@ def test_every_bad_value_of_a_file_is_named_at_once(tmp_path):
     "override,choices",
     [
         ("dtype=fp16", "model.dtype='fp16' is not one of float32, bfloat16, float16"),
-        ("optimizer.name=lion", "optimizer.name='lion' is not one of adamw, sgd"),
+        ("optimizer.name=adam", "optimizer.name='adam' is not one of adamw, sgd, adafactor, lion, muon"),
         ("train.sync=async", "train.sync='async' is not one of synchronous, local_sgd, diloco, stale"),
         ("grad_sync=nccl", "train.grad_sync='nccl' is not one of xla, fused, ring, hierarchical, parameter_server"),
         ("schedule=zb", "train.schedule='zb' is not one of gpipe, 1f1b, interleaved"),

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.errors import UserInputError
 from jaxtrain.parallel.step import GradFn, apply_update
+from jaxtrain.sharding.param_state import shardings_like_params
 
 PyTree = Any
 POLICIES = ("synchronous", "local_sgd", "diloco", "stale")
@@ -87,9 +88,7 @@ class UpdatePolicy:
         if self.is_local:
             replicas = mesh.shape[REPLICA_AXIS]
             local_opt = jax.eval_shape(optimizer.init, params)
-            opt_shardings = optax.tree_map_params(
-                optimizer, lambda _, s: s, local_opt, shardings, transform_non_params=lambda _: _replicated(mesh)
-            )
+            opt_shardings = shardings_like_params(local_opt, params, shardings, mesh)
             shapes = {"params": params, "opt_state": local_opt}
             return {"local": _stacked(shapes, replicas)}, {
                 "local": _stacked_shardings({"params": shardings, "opt_state": opt_shardings}, REPLICA_AXIS)

@@ -250,7 +250,7 @@ def _abstract_plan(cfg: RunConfig, layout: MeshLayout, devices: int, stages: Sta
     spec, _ = resolve_model(cfg.model_name)
     rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
     model = split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
-    optimizer, _ = make_optimizer(cfg.optimizer, cfg.train.steps)
+    optimizer, _ = make_optimizer(cfg.optimizer, cfg.train.steps, model.logical_names)
     t = cfg.train
     policy = UpdatePolicy(t.sync, t.sync_every, t.staleness, t.outer_lr, t.outer_momentum)
     return make_plan(mesh, rules, model, optimizer, stages, policy)

@@ -23,6 +23,7 @@ from jaxtrain.formatting import fmt_bytes, format_table
 from jaxtrain.parallel.pipeline import StageLayout
 from jaxtrain.parallel.updates import UpdatePolicy
 from jaxtrain.sharding.constraints import activation_sharding
+from jaxtrain.sharding.param_state import kept_dims, map_like_params, shardings_like_params
 from jaxtrain.sharding.rules import ShardingRules, is_layer_stack, is_logical_names, logical_to_spec, spec_axes
 from jaxtrain.training.model import ModelParts, PlanError, path_str
 
@@ -167,17 +168,13 @@ class Plan:
             return state
         convert = getattr(self.layout, direction)
 
-        def one(x, names):
-            return convert(x) if is_layer_stack(names) else x
+        # The params `state` is laid out like: stored (padded stages) before `to_model`, the model's before `to_stored`.
+        params = self.abstract_state["params"] if direction == "to_model" else self.model.abstract_params
 
-        opt_state = optax.tree_map_params(
-            self.optimizer,
-            one,
-            state["opt_state"],
-            self.model.logical_names,
-            transform_non_params=lambda x: x,
-            is_leaf=is_logical_names,
-        )
+        def one(x, param, names):
+            return convert(x) if is_layer_stack(names) and _leads_with_layers(param.shape, x.shape) else x
+
+        opt_state = map_like_params(one, state["opt_state"], params, self.model.logical_names, other=lambda x: x)
         return {**state, "params": self._stored(state["params"], direction), "opt_state": opt_state}
 
     def _stored(self, params: PyTree, direction: str) -> PyTree:
@@ -266,15 +263,9 @@ def make_plan(
     state_optimizer = policy.state_optimizer(optimizer) if policy else optimizer
     abstract_opt = jax.eval_shape(state_optimizer.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
-    # Moments shard like their parameters; counts and other scalars are replicated (optax's naive init would put
-    # them all on device 0).
-    opt_shardings = optax.tree_map_params(
-        state_optimizer,
-        lambda _, sharding: sharding,
-        abstract_opt,
-        shardings,
-        transform_non_params=lambda _: replicated,
-    )
+    # Moments shard like their parameters, factored statistics like the dims they keep; counts and other scalars
+    # are replicated (optax's naive init would put them all on device 0).
+    opt_shardings = shardings_like_params(abstract_opt, abstract_params, shardings, mesh)
     extra, extra_shardings = (
         _policy_state(policy, abstract_params, shardings, optimizer, mesh, model, rules) if policy else ({}, {})
     )
@@ -322,6 +313,13 @@ def _spec_origin(names: tuple[str | None, ...], spec: PartitionSpec, rules: Shar
     table entry put each mesh axis into a parameter's spec."""
     used = [f"rules.params.{n}={','.join(rules.params[n])}" for n, axes in zip(names, spec) if n and axes]
     return f"logical axes {' '.join(n or '-' for n in names)}, spec {spec}, from {', '.join(used) or 'no rule'}"
+
+
+def _leads_with_layers(param_shape: tuple[int, ...], state_shape: tuple[int, ...]) -> bool:
+    """Whether a state array of a layer-stacked parameter keeps the parameter's leading `layers` dim as its own
+    first dim (a moment, or a factored statistic that reduced another dim), so that it follows the stage layout."""
+    readings = kept_dims(param_shape, state_shape)
+    return bool(readings) and all(dims[0] == 0 for dims in readings)
 
 
 def _path_tree(tree: PyTree) -> PyTree:

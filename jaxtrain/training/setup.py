@@ -158,7 +158,7 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     model = split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
     if mesh.shape["pipeline"] > 1:  # a model the pipeline cannot split is an error before any data is read
         stacked_layer_count(model.logical_names, model.abstract_params)
-    optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, model.logical_names)
     dataset = make_dataset(
         cfg.data.source,
         spec.task,

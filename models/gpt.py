@@ -93,16 +93,17 @@ class GPTConfig(Settings):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.head_dim and self.d_model % self.n_heads:
-            raise ConfigError(
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: pick n_heads that divides it, "
-                "or set head_dim."
-            )
         # Rotary positions turn pairs of a head's channels: each head needs an even number of them.
-        if self.head_channels % 2:
+        if self.head_dim % 2:
             raise ConfigError(
-                f"{self.head_channels} channels per head (d_model={self.d_model}, n_heads={self.n_heads}, "
-                f"head_dim={self.head_dim}) is odd; rotary positions turn pairs of channels: use an even head_dim."
+                f"head_dim={self.head_dim} is odd; rotary positions turn pairs of channels: use an even head_dim."
+            )
+        if not self.head_dim and (self.d_model % self.n_heads or self.head_channels % 2):
+            fits = [h for h in range(1, min(self.d_model, 64) + 1) if self.d_model % (2 * h) == 0]
+            fix = f"use n_heads in {', '.join(map(str, fits))}" if fits else "use an even d_model"
+            raise ConfigError(
+                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} into an even number of channels "
+                f"per head (rotary positions turn pairs of channels): {fix}, or set head_dim."
             )
         if self.n_heads % self.kv_heads:
             fits = [g for g in range(1, self.n_heads + 1) if self.n_heads % g == 0]

@@ -13,7 +13,9 @@ Sections:
   checkpoint how long an async vs a sync save holds up the training loop; save/restore MB/s vs the disk's own speed
   gradsync   seconds per gradient sync (xla, ring, hierarchical, parameter server, bf16 ring) for 1-64 MB, and bytes
              each device sends (from the HLO) vs the algorithm's analytic model (target: within 5%)
-  maxtext    our default GPT path vs MaxText 0.2.5 on the same shape and mesh (scripts/maxtext_baseline.sh), alternated
+  maxtext    our GPT and Llama paths vs MaxText 0.2.5's decoder on the same shape and mesh, alternated
+             (scripts/maxtext_baseline.sh)
+  attention  each attention implementation's forward + backward time per sequence length, and what `auto` picks
 """
 
 from __future__ import annotations
@@ -535,6 +537,48 @@ def bench_gradsync(args: argparse.Namespace, peak: float) -> dict:
     }
 
 
+# attention: one layer's attention of the llama-cpu shape (4 query heads, 2 kv heads of 64 channels, float32), batch
+# 1, forward and backward, on one CPU device.
+ATTENTION_SHAPE = {"heads": 4, "kv_heads": 2, "head_dim": 64}
+ATTENTION_IMPLEMENTATIONS = ("reference", "xla", "chunked")
+
+
+def attention_timer(impl: str, seq_len: int) -> Callable[[int], float]:
+    from jaxtrain.ops.attention import attention
+
+    shape = ATTENTION_SHAPE
+    q = jax.random.normal(jax.random.key(0), (1, seq_len, shape["heads"], shape["head_dim"]))
+    k, v = (jax.random.normal(jax.random.key(i), (1, seq_len, shape["kv_heads"], shape["head_dim"])) for i in (1, 2))
+    step = jax.jit(jax.grad(lambda *x: attention(*x, implementation=impl).sum(), argnums=(0, 1, 2)))
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            out = step(q, k, v)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    timed(1)  # compile
+    return timed
+
+
+def bench_attention(args, peak) -> dict:
+    """Seconds per forward + backward of each implementation per sequence length, alternated, and what `auto` picks
+    on CPU there (jaxtrain.ops.attention.CPU_CHUNKED_FROM_SEQ)."""
+    from jaxtrain.ops.attention import resolve_implementation
+
+    out = {"shape": ATTENTION_SHAPE}
+    for seq_len in map(int, args.attention_seqs.split(",")):
+        timers = {impl: attention_timer(impl, seq_len) for impl in ATTENTION_IMPLEMENTATIONS}
+        times = interleaved(timers, args.rounds, max(1, 2048 // seq_len))
+        out[seq_len] = {
+            "seconds": {impl: round(t, 5) for impl, t in times.items()},
+            "fastest": min(times, key=times.get),
+            "auto_picks": resolve_implementation("auto", "cpu", seq_len),
+        }
+    return out
+
+
 SECTIONS = {
     "meshes": bench_meshes,
     "variants": bench_variants,
@@ -543,6 +587,7 @@ SECTIONS = {
     "pipeline": bench_pipeline,
     "checkpoint": bench_checkpoint,
     "maxtext": bench_maxtext,
+    "attention": bench_attention,
     "gradsync": bench_gradsync,
 }
 
@@ -560,6 +605,7 @@ def main() -> None:
         "--checkpoint-dir", default=None, help="checkpoint section: where to write (default: a tmp dir)"
     )
     parser.add_argument("--sync-sizes", default="1,4,16,64", help="gradsync section: gradient sizes in MB")
+    parser.add_argument("--attention-seqs", default="128,256,512,1024,2048,4096", help="attention section")
     parser.add_argument("--maxtext-rounds", type=int, default=3)
     parser.add_argument("--maxtext-steps", type=int, default=40)
     parser.add_argument("--maxtext-models", default="gpt,llama", help=f"of {', '.join(MAXTEXT_MODELS)}")

@@ -28,7 +28,8 @@ MESHES = [  # (layout, devices)
 @pytest.mark.parametrize("mesh,devices", MESHES)
 def test_losses_match_single_device(mesh, devices):
     sharded = curve(make_run(mesh, devices=devices))
-    assert_curves_close(sharded, reference_curve())
+    # Five AdamW steps at lr 0.01 amplify reduction-order rounding: measured 1.8e-5 in a gradient norm on data=8.
+    assert_curves_close(sharded, reference_curve(), rtol=3e-5)
     assert sharded["loss"][-1] < sharded["loss"][0]  # it is training, not replaying a constant
 
 

@@ -50,7 +50,7 @@ def test_rule_mistakes_on_params_are_ours(mesh, overrides, message):
 
 def test_activation_rule_mistakes_are_ours_at_trace_time():
     run = make_run("data=2,tensor=4", ["rules.activations.seq=tensor"])
-    with pytest.raises(ShardingRuleError, match="mesh axis 'tensor' is used by both logical axes 'seq' and 'mlp'"):
+    with pytest.raises(ShardingRuleError, match="mesh axis 'tensor' is used by both logical axes 'seq' and 'heads'"):
         run.train_step  # noqa: B018 (tracing the step applies the activation rules)
 
 

@@ -168,6 +168,8 @@ class MoE(GPT):
     """GPT with mixture-of-experts blocks, whose layer loop also collects each layer's routing statistics."""
 
     block_type = MoEBlock
+    # No KV-cache decoding yet: GPT's runs Block.decode, whose MLP is not the experts'. Generation says so by name.
+    init_cache = cache_names = extend = None
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """tokens (B, T) -> logits (B, T, V) float32, and each layer's routing statistics (stacked, L first)."""

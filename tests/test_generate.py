@@ -283,6 +283,11 @@ def test_generate_from_a_missing_or_non_language_checkpoint(tmp_path, capsys):
         Generator.restore(directory / "1", "data=1", jax.devices()[:1])
     with pytest.raises(CheckpointError, match="expected a run directory"):
         Generator.restore(tmp_path, "data=1")
+    moe = tmp_path / "moe"
+    moe_overrides = [*overrides[:-1], f"checkpoint_dir={moe}", "seq_len=16", "data.source=builtin"]
+    train(apply_overrides(default_config("moe-tiny"), moe_overrides), log=lambda *_: None, devices=jax.devices()[:1])
+    with pytest.raises(GenerationError, match="has no init_cache, cache_names, extend"):
+        Generator.restore(moe / "1", "data=1", jax.devices()[:1])
 
 
 # Learning ---------------------------------------------------------------------------------------------------------

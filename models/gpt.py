@@ -82,6 +82,7 @@ class GPTConfig(Settings):
     qkv_bias: bool = setting(False, "biases on the query, key and value projections (Qwen2)")
     qk_norm: bool = setting(False, "RMSNorm on each head's queries and keys (Qwen3)")
     norm_eps: float = setting(1e-6, "RMSNorm's epsilon", above=0)
+    chunked_loss: bool = setting(True, "the output loss a chunk of positions at a time (false: whole logits)")
 
     @property
     def kv_heads(self) -> int:
@@ -388,7 +389,10 @@ class GPT(nnx.Module):
         logits are never held at once (`jaxtrain.ops.cross_entropy`); equal to the loss of `unembed`'s logits."""
         x = rms_norm(hidden, self.final_norm[...], self.cfg.norm_eps)
         weights_matrix, layout = self.head_matrix()
-        total, count = output_cross_entropy(x, weights_matrix, tokens[:, 1:], weights=weights, head_layout=layout)
+        whole = None if self.cfg.chunked_loss else x.shape[1]  # one chunk: the plain program
+        total, count = output_cross_entropy(
+            x, weights_matrix, tokens[:, 1:], weights=weights, head_layout=layout, chunk_len=whole
+        )
         return total / jnp.maximum(count, 1.0)
 
     def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:

@@ -36,7 +36,7 @@ PRESETS = {
         rope_factor=32.0,
     ),
     "cpu": lambda: llama(
-        vocab_size=256, n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, remat="full", rope_factor=32.0
+        vocab_size=256, n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, remat="save_dots", rope_factor=32.0
     ),
     "1b": lambda: llama(
         vocab_size=128_256,

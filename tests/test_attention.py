@@ -95,6 +95,30 @@ EQUALS_REFERENCE = [
 ]
 
 
+def textbook_attention(q, k, v, segment_ids=None, sliding_window=None):
+    """Attention as written down: every query head with its own copy of its group's keys and values, one softmax
+    over (B, H, T, T) scores, autodiff's gradient. `reference` must equal it."""
+    repeats = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2)
+    scores = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=jnp.float32) / np.sqrt(q.shape[-1])
+    mask = causal_mask(q.shape[1], segment_ids, sliding_window)[:, None]
+    probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1)
+    return jnp.einsum("bhts,bshk->bthk", probs.astype(v.dtype), v).astype(q.dtype)
+
+
+@pytest.mark.parametrize("mask", ["causal", "both"])
+def test_reference_is_the_textbook_formula(mask):
+    """Value and gradient in float32 (1e-5), and in bfloat16 within bfloat16's rounding: `reference` runs the
+    scores' backward products in the inputs' dtype and folds each group's query heads into rows."""
+    reference = functools.partial(attention, implementation="reference")
+    assert_gradients_close(reference_results(mask), value_and_grads(textbook_attention, mask, *inputs()), rtol=1e-5)
+    low = [x.astype(jnp.bfloat16) for x in inputs()]
+    got, want = value_and_grads(reference, mask, *low), value_and_grads(textbook_attention, mask, *low)
+    for a, b in zip(got, want, strict=True):
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()
+
+
 @pytest.mark.parametrize("impl, mask", EQUALS_REFERENCE)
 def test_equals_reference(impl, mask):
     assert_gradients_close(value_and_grads(IMPLS[impl], mask, *inputs()), reference_results(mask), rtol=1e-5)

@@ -194,6 +194,7 @@ class StepTrace:
         inside = {id(e) for eqn, _ in walk(jaxpr) if self._is_layer_stack(eqn) for e, _ in walk(body_of(eqn))}
         parts = {"layers": Tally(), "rest": Tally()}
         lookups: dict[Any, tuple[tuple[str, ...], float]] = {}  # a lookup's rows -> (axes to sum over, bytes)
+        partials = _PartialSums()
         for eqn, trips in walk(jaxpr, flow=flow):
             if not eqn.outvars:
                 continue
@@ -202,14 +203,19 @@ class StepTrace:
                 part.flops += trips * _flops(eqn, shares, flow)
                 operands = [*((v.aval, flow.of(v)) for v in eqn.invars), (eqn.outvars[0].aval, flow.of(eqn.outvars[0]))]
                 part.matmul_bytes += trips * sum(shares.bytes(*a) for a in operands)
-            part.transfers += self._collectives(eqn, trips, flow, lookups)
+            part.transfers += partials.read(eqn)
+            part.transfers += self._collectives(eqn, trips, flow, lookups, partials)
+        parts["rest"].transfers += partials.flush()
         for axes, b in lookups.values():  # rows looked up and never laid out again: summed where they are
             parts["rest"].transfers += _lookup_sums(axes, b, None, shares.mesh_shape)
         return parts
 
-    def _collectives(self, eqn: Any, trips: int, flow: Flow, lookups: dict) -> list[Transfer]:
+    def _collectives(
+        self, eqn: Any, trips: int, flow: Flow, lookups: dict, partials: _PartialSums
+    ) -> list[Transfer]:
         """What `eqn` sends: a lookup into a split table is noted in `lookups` until its rows are laid out again (a
-        sharding constraint) and summed there; a constraint reshards; a contraction over split dims all-reduces."""
+        sharding constraint) and summed there; a constraint reshards; a contraction over split dims leaves partial
+        sums, all-reduced where they are used (`partials`)."""
         shares, name, out = self.shares, eqn.primitive.name, eqn.outvars[0]
         src = eqn.invars[0] if eqn.invars else None
         if name == "gather" and src in flow.param:
@@ -224,7 +230,7 @@ class StepTrace:
         elif name in _COMBINING:
             combined = shares.model_axes(src.aval.shape, flow.of(src)) - shares.model_axes(out.aval.shape, flow.of(out))
             b = shares.bytes(out.aval, flow.of(out))
-            return [
+            sums = [
                 Transfer(
                     (axis,),
                     "all-reduce",
@@ -233,6 +239,8 @@ class StepTrace:
                 )
                 for axis in combined - {"pipeline"}
             ]
+            if sums:
+                partials.hold(out, sums)
         return []
 
     def _note_uses(self, eqn: Any, flow: Flow) -> None:
@@ -285,6 +293,45 @@ class StepTrace:
         indexed = eqn.params["dimension_numbers"].start_index_map
         axes = {a for d in indexed for a in spec[d] if a != "pipeline"}
         return tuple(a for a in MESH_AXES if a in axes and self.shares.mesh_shape[a] > 1)
+
+
+class _PartialSums:
+    """Contractions over split dims leave each device a partial sum; the TPU and GPU compilers all-reduce it where
+    a value is used, not where it is made. Partial sums added together (the gradients of x from its q, k and v
+    projections, or from SwiGLU's two input matrices) are reduced once, as their sum; casts and reshapes carry a
+    partial sum along. XLA:CPU reduces each where it is made (the `cpu` figure of the merged ones)."""
+
+    _ADDS = frozenset({"add", "add_any"})
+    _CARRY = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p"})
+
+    def __init__(self):
+        self._pending: dict[Any, list[Transfer]] = {}  # value -> the all-reduces it still owes
+
+    def hold(self, v: Any, sums: list[Transfer]) -> None:
+        self._pending[v] = sums
+
+    def read(self, eqn: Any) -> list[Transfer]:
+        """The all-reduces `eqn` forces: those of the partial sums it reads, unless it adds partial sums over the
+        same axes together or casts or reshapes one (then its output owes them, once)."""
+        held = [v for v in eqn.invars if not isinstance(v, Literal) and v in self._pending]
+        if not held:
+            return []
+        name = eqn.primitive.name
+        owed = [self._pending.pop(v) for v in held]
+        axes = {tuple(t.axes for t in sums) for sums in owed}
+        every_input = len(held) == len([v for v in eqn.invars if not isinstance(v, Literal)])
+        if len(axes) == 1 and every_input and (name in self._ADDS or (name in self._CARRY and len(held) == 1)):
+            owed.sort(key=lambda sums: sum(t.bytes for t in sums))
+            self._pending[eqn.outvars[0]] = owed.pop()
+            # XLA:CPU reduces each partial sum where it is made: the merged ones still send there.
+            return [dataclasses.replace(t, bytes=0.0, cpu=("all-reduce", t.bytes)) for sums in owed for t in sums]
+        return [t for sums in owed for t in sums]
+
+    def flush(self) -> list[Transfer]:
+        """The partial sums no traced op reads (a loop's outputs): reduced where they leave."""
+        owed = [t for sums in self._pending.values() for t in sums]
+        self._pending.clear()
+        return owed
 
 
 def _shares(plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int) -> Shares:

@@ -210,9 +210,7 @@ class StepTrace:
             parts["rest"].transfers += _lookup_sums(axes, b, None, shares.mesh_shape)
         return parts
 
-    def _collectives(
-        self, eqn: Any, trips: int, flow: Flow, lookups: dict, partials: _PartialSums
-    ) -> list[Transfer]:
+    def _collectives(self, eqn: Any, trips: int, flow: Flow, lookups: dict, partials: _PartialSums) -> list[Transfer]:
         """What `eqn` sends: a lookup into a split table is noted in `lookups` until its rows are laid out again (a
         sharding constraint) and summed there; a constraint reshards; a contraction over split dims leaves partial
         sums, all-reduced where they are used (`partials`)."""

@@ -107,13 +107,16 @@ def test_resnet_plans_from_its_config_and_counts_convolutions():
 
 
 def test_flops_and_state_match_the_model_formulas():
-    """Traced FLOPs equal 6 x matmul params + unmasked attention per token (XLA computes the masked half too);
+    """Traced FLOPs equal 6 x matmul params + unmasked attention per token (XLA computes the masked half too), plus
+    the scores a fused attention computes again in its backward pass (`chunked` here, at 1024 tokens on CPU);
     on fsdp=64 x tensor=4 every weight matrix is split 256 ways and the norms are whole."""
     cfg = _cfg("gpt-small", ["batch_size=256", "seq_len=1024", "mesh=tpu-v5p-512"])
     est = estimate(cfg, chip("v5p"), 256, compiler="cpu")  # untiled: the state's bytes are the formula's
     m, tokens = cfg.model, 256 * 1024
     attention_unmasked = 6.0 * m.n_layers * 1024 * m.d_model * tokens  # the half train_flops leaves out
-    assert est.flops == pytest.approx((m.train_flops(256, 1024) + attention_unmasked) / 256, rel=0.02)
+    scores_again = 2.0 * m.n_layers * 1024 * m.d_model * tokens
+    expected = m.train_flops(256, 1024) + attention_unmasked + scores_again
+    assert est.flops == pytest.approx(expected / 256, rel=0.02)
     norms = (2 * m.n_layers + 1) * m.d_model  # replicated
     assert est.memory.params == 4 * ((m.num_params() - norms) / 256 + norms)
     assert est.memory.opt_state == pytest.approx(2 * est.memory.params, rel=0.01)  # AdamW: two moments

@@ -82,8 +82,10 @@ def attention(
             f"attention implementation '{chosen}' needs a {needs.upper()}, but this program runs on {platform}. Use "
             f"'auto' (picks per backend), 'chunked', 'xla' or 'reference'."
         )
-    if chosen == "chunked" and is_plain():
-        chosen = "reference"  # the same numbers, for a planner that reads the step (jaxtrain.ops.plain)
+    if is_plain() and chosen in _FUSED:
+        # For a planner that reads the step (jaxtrain.ops.plain): the reference's numbers with a fused kernel's
+        # memory, which keeps q, k and v for the backward pass and computes the scores again there.
+        return jax.checkpoint(_reference, static_argnums=(4,))(q, k, v, segment_ids, sliding_window)
     run = {
         "reference": _reference,
         "xla": _xla,
@@ -92,6 +94,9 @@ def attention(
         "chunked": _chunked,
     }[chosen]
     return run(q, k, v, segment_ids, sliding_window)
+
+
+_FUSED = ("chunked", "cudnn", "splash")  # never hold a (T, T) score matrix
 
 
 def resolve_implementation(

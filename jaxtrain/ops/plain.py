@@ -2,7 +2,10 @@
 gradients (chunked attention, the chunked loss) compute the same numbers the plain way, with autodiff's own gradient.
 
 The planner reads a step's jaxpr for matmuls, softmaxes and their residuals; it has no model of a blockwise loop
-under a custom VJP. Its plans therefore count attention and the loss as unfused: an upper bound on their memory.
+under a custom VJP. So the fused attention kernels compute as plain math under `jax.checkpoint`: the backward pass
+keeps their inputs, as the kernels do, and computes the scores again, as they do; one layer's scores count in the
+working set (the kernels hold a block at a time: an upper bound there). The chunked loss computes as whole logits
+with autodiff's gradient: an upper bound on its memory.
 """
 
 from __future__ import annotations

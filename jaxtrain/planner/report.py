@@ -213,7 +213,8 @@ def _comm_table(transfers: Sequence[Transfer], measured: Measured | None) -> lis
     if not transfers and not (measured and measured.comm):
         return lines + ["  none"]
     rows = [("axes", "collective", "what", "estimate")]
-    rows += [(" ".join(t.axes), t.kind, t.what, fmt_bytes(t.bytes)) for t in transfers]
+    # A row can send nothing on the chip and only on XLA:CPU (partial sums the accelerators add up first).
+    rows += [(" ".join(t.axes), t.kind, t.what, fmt_bytes(t.bytes)) for t in transfers if t.bytes]
     lines += ["  " + line.rstrip() for line in format_table(rows)]
     if measured:
         lines += _comm_beside_compiled(transfers, measured)

@@ -106,6 +106,12 @@ CONFIG_FLAGS = (
         "train.tensorboard_dir",
         {"help": "also write the logged metrics as TensorBoard scalars here (needs tensorboardX)"},
     ),
+    (
+        "--profile-steps",
+        "train.profile_steps",
+        {"metavar": "START:STOP", "help": "trace steps START to STOP-1 with jax.profiler (e.g. 10:13)"},
+    ),
+    ("--profile-dir", "train.profile_dir", {"help": "where the trace goes (TensorBoard's profile plugin, XProf)"}),
     ("--log-every", "train.log_every", {"type": int}),
     ("--eval-every", "train.eval_every", {"type": int}),
     (

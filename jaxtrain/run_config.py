@@ -190,6 +190,8 @@ class TrainConfig(Settings):
     seed: int = setting(0, "seeds the params and the data order", at_least=0)
     metrics_file: str = setting("", "append one JSON object per logged step to this file")
     tensorboard_dir: str = setting("", "also write the logged metrics as TensorBoard scalars here (tensorboardX)")
+    profile_steps: str = setting("", "trace steps START:STOP-1 with jax.profiler (e.g. 10:13); empty: none")
+    profile_dir: str = setting("", "where the profile_steps trace goes (and a device memory profile on OOM)")
     progress: bool = setting(True, "a progress bar, not log lines")
     verbose: bool = setting(False, "the preflight's full tables (parameters, device grid, collectives)")
 

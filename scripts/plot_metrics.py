@@ -1,8 +1,10 @@
 """Draw training curves from one or several runs' metrics (the JSONL that `train.metrics_file` writes) into one PNG:
-loss (dashed: validation loss), tokens/s and MFU against the step, one colour per run.
+one panel per logged key against the step (default: loss, tokens/s and MFU), one colour per run; a key's
+validation counterpart (`val_loss` for `loss`) is drawn dashed in its panel.
 
     python scripts/plot_metrics.py runs/a/metrics.jsonl runs/b/metrics.jsonl --out runs/compare.png
     python scripts/plot_metrics.py runs/a runs/b --labels "data parallel,fsdp"   # a directory: its metrics.jsonl
+    python scripts/plot_metrics.py runs/a --keys loss,grad_norm,learning_rate --smooth 0.9
 
 Needs matplotlib (pip install -e .[plot]).
 """
@@ -18,11 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from jaxtrain.errors import UserInputError  # noqa: E402
 
-PANELS = (  # (metric, axis label, scale): one panel each; val_loss shares the loss panel
-    ("loss", "loss", 1.0),
-    ("tokens_per_sec", "tokens / s", 1.0),
-    ("mfu", "MFU (%)", 100.0),
-)
+DEFAULT_KEYS = ("loss", "tokens_per_sec", "mfu")
+# How a known key is shown: (axis label with its unit, scale). Any other logged key is plotted as it is, by name.
+UNITS = {
+    "loss": ("loss (nats / token)", 1.0),
+    "tokens_per_sec": ("tokens / s", 1.0),
+    "mfu": ("MFU (%)", 100.0),
+    "accuracy": ("accuracy (%)", 100.0),
+    "grad_norm": ("gradient norm (L2)", 1.0),
+    "learning_rate": ("learning rate", 1.0),
+    "step_time_s": ("step time (s)", 1.0),
+    "nonfinite_total": ("non-finite updates skipped", 1.0),
+}
 
 
 class PlotError(UserInputError):
@@ -62,12 +71,31 @@ def read_metrics(path: Path) -> list[dict]:
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     """Steps and values of `key`, over the records that hold a finite value (null marks a non-finite one)."""
-    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
     return [s for s, _ in points], [v for _, v in points]
 
 
-def plot(runs: dict[str, list[dict]], out: Path) -> Path:
-    """Draw `runs` (label -> records) into the PNG `out`."""
+def smoothed(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average of `weight` (0: none), debiased at the start."""
+    out, average = [], 0.0
+    for n, value in enumerate(values, 1):
+        average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight**n))
+    return out
+
+
+def check_keys(runs: dict[str, list[dict]], keys: list[str]) -> None:
+    """Every key must be logged by some run (or have its validation counterpart logged)."""
+    logged = {k for records in runs.values() for r in records for k, v in r.items() if isinstance(v, (int, float))}
+    missing = [k for k in keys if k not in logged and f"val_{k}" not in logged]
+    if missing:
+        raise PlotError(
+            f"no run logged {', '.join(missing)}; the logged keys are: {', '.join(sorted(logged - {'step'}))}."
+        )
+
+
+def plot(runs: dict[str, list[dict]], out: Path, keys: list[str] = DEFAULT_KEYS, smooth: float = 0.0) -> Path:
+    """Draw `runs` (label -> records) into the PNG `out`: a panel per key, smoothed by `smooth` (0 to 1)."""
     try:
         import matplotlib
 
@@ -75,16 +103,23 @@ def plot(runs: dict[str, list[dict]], out: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotError("plotting needs matplotlib: pip install -e .[plot]") from None
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    check_keys(runs, list(keys))
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for (label, records), colour in zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10):
-        for ax, (key, name, scale) in zip(axes, PANELS):
-            steps, values = series(records, key)
-            ax.plot(steps, [v * scale for v in values], color=colour, label=label)
+        for ax, key in zip(axes[0], keys):
+            name, scale = UNITS.get(key, (key, 1.0))
+            for shown, style in ((key, "-"), (f"val_{key}", "--")):
+                steps, values = series(records, shown)
+                if not steps:
+                    continue
+                values = [v * scale for v in values]
+                suffix = " (validation)" if shown != key else ""
+                if smooth:
+                    ax.plot(steps, values, color=colour, linestyle=style, alpha=0.25)
+                    values = smoothed(values, smooth)
+                ax.plot(steps, values, color=colour, linestyle=style, label=f"{label}{suffix}")
             ax.set(xlabel="step", ylabel=name)
-        steps, values = series(records, "val_loss")
-        if steps:
-            axes[0].plot(steps, values, color=colour, linestyle="--", marker=".", label=f"{label} (validation)")
-    axes[0].legend()
+    axes[0][0].legend()
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
@@ -97,13 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="metrics .jsonl files or run directories")
     parser.add_argument("--labels", help="comma-separated, one per run (default: each file's directory or name)")
     parser.add_argument("--out", default="metrics.png", help="the PNG to write (default: metrics.png)")
+    parser.add_argument(
+        "--keys",
+        default=",".join(DEFAULT_KEYS),
+        help=f"comma-separated logged keys, a panel each ({','.join(DEFAULT_KEYS)})",
+    )
+    parser.add_argument("--smooth", type=float, default=0.0, help="exponential smoothing weight in [0, 1) (0: none)")
     args = parser.parse_args(argv)
     try:
+        keys = [k.strip() for k in args.keys.split(",") if k.strip()]
+        if not keys:
+            raise PlotError(f"--keys {args.keys!r} names no key: give logged keys such as loss,grad_norm.")
+        if not 0 <= args.smooth < 1:
+            raise PlotError(f"--smooth {args.smooth}: the weight must be in [0, 1), e.g. 0.9 (0: no smoothing).")
         files = [metrics_file(r) for r in args.runs]
         labels = args.labels.split(",") if args.labels else [_label(f) for f in files]
         if len(set(labels)) != len(files):
             raise PlotError(f"{len(files)} runs need {len(files)} different labels, not {labels}: use --labels.")
-        out = plot({label: read_metrics(f) for label, f in zip(labels, files)}, Path(args.out))
+        out = plot({label: read_metrics(f) for label, f in zip(labels, files)}, Path(args.out), keys, args.smooth)
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -48,6 +48,7 @@ LOOP_ONLY = {  # what the planner must not reach: the loop and the runtime aroun
     "jaxtrain.training.checkpoint",
     "jaxtrain.training.metrics",
     "jaxtrain.training.run_lock",
+    "jaxtrain.training.profiling",
 }
 
 

@@ -1,4 +1,5 @@
-"""scripts/plot_metrics.py: two runs' metrics files -> one PNG with a line per run; clear errors for bad input."""
+"""scripts/plot_metrics.py: runs' metrics files -> one PNG, a line per run and a panel per chosen key, smoothed on
+request; clear errors for bad input."""
 
 import importlib.util
 import json
@@ -67,3 +68,38 @@ def test_runs_with_the_same_label_need_labels(tmp_path, capsys):
     assert plot_metrics.main([*runs, "--out", str(tmp_path / "x.png")]) == 2
     assert "use --labels" in capsys.readouterr().err
     assert plot_metrics.main([*runs, "--labels", "a,b", "--out", str(tmp_path / "x.png")]) == 0
+
+
+def test_any_logged_keys_each_get_a_panel(tmp_path):
+    path = tmp_path / "m.jsonl"
+    records = [{"step": s, "loss": 3.0 / s, "grad_norm": 1.0 + s, "learning_rate": 1e-3 * s} for s in range(1, 9)]
+    records[3]["val_accuracy"] = 0.5  # a key logged only as its validation counterpart
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "keys.png"
+    keys = "grad_norm,learning_rate,loss,accuracy"
+    assert plot_metrics.main([str(path), "--keys", keys, "--smooth", "0.6", "--out", str(out)]) == 0
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out).shape == (400, 2000, 4)  # 4 panels of 5 x 4 inches
+
+
+def test_smoothing_is_a_debiased_moving_average():
+    assert plot_metrics.smoothed([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
+    assert plot_metrics.smoothed([0.0, 1.0], 0.5) == pytest.approx([0.0, 0.5 / 0.75])
+    assert plot_metrics.smoothed([1.0, 5.0], 0.0) == [1.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--keys", "loss,gradnorm"], "no run logged gradnorm; the logged keys are: grad_norm, loss"),
+        (["--keys", ","], "names no key"),
+        (["--smooth", "1.5"], "must be in [0, 1)"),
+    ],
+)
+def test_bad_keys_and_smoothing_are_clear_errors(tmp_path, capsys, args, message):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0, "grad_norm": 1.0}\n')
+    assert plot_metrics.main([str(path), *args, "--out", str(tmp_path / "x.png")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

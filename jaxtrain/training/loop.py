@@ -25,6 +25,7 @@ from jaxtrain.training import run_lock
 from jaxtrain.training.checkpoint import Checkpoints
 from jaxtrain.training.distributed import to_host
 from jaxtrain.training.metrics import MetricsLog, check_outputs, tensorboard_writer_class
+from jaxtrain.training.profiling import StepProfiler, check_profile_settings, memory_profile_on_oom, step_profiler
 from jaxtrain.training.recovery import (
     Preempted,
     Progress,
@@ -73,6 +74,7 @@ def train(
     with run_lock.holding(cfg.train.checkpoint_dir, log):  # one writer per checkpoint directory, from start to exit
         # Refused before anything compiles: a resume of another run's checkpoints, metrics into another run's files.
         run_name = check_resume(cfg)
+        profiled = check_profile_settings(cfg.train.profile_steps, cfg.train.profile_dir)
         if lead:
             check_outputs(cfg.train.metrics_file, cfg.train.tensorboard_dir, run_name)
         run = setup(cfg, log, devices)
@@ -81,8 +83,9 @@ def train(
             peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
             log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
             sink = _metrics_sink(cfg, lead, on_metrics, progress)
-            with Recorder(run, peak, sink) as recorder, stop_signals() as stop:
-                state, preempted = _loop(run, state, progress, checkpoints, recorder, stop, log)
+            traced = step_profiler(profiled, cfg.train.profile_dir)
+            with Recorder(run, peak, sink) as recorder, stop_signals() as stop, traced as profiler:
+                state, preempted = _loop(run, state, progress, checkpoints, recorder, stop, log, profiler)
                 if checkpoints:
                     checkpoints.wait()  # a second Ctrl-C here still exits at once
     if preempted:
@@ -118,9 +121,10 @@ def _loop(
     recorder: Recorder,
     stop: StopRequest,
     log: Callable[[str], None],
+    profiler: StepProfiler,
 ) -> tuple[Any, bool]:
     """Train from `progress.step` to `train.steps` or a preemption; returns the last state and whether it was
-    preempted. Updates `progress`."""
+    preempted. Updates `progress`. `profiler` runs each step (tracing the chosen ones)."""
     t, steps = run.cfg.train, run.cfg.train.steps
     skipped, rollbacks = SkippedSteps(progress, t.rollback_after), collections.Counter()
     recorder.start(progress.step)
@@ -128,8 +132,13 @@ def _loop(
     batch = run.batch("train", progress.step + progress.data_offset)
     preempted = False
     while progress.step < steps and not preempted:
-        state, metrics = run.train_step(state, batch)
-        done = progress.step = progress.step + 1
+        number = progress.step + 1
+        try:
+            state, metrics = profiler.run(number, functools.partial(run.train_step, state, batch))
+        except jax.errors.JaxRuntimeError as err:
+            memory_profile_on_oom(number, t.profile_dir or t.checkpoint_dir or ".")(err)
+            raise
+        done = progress.step = number
         skipped.add(done, metrics)
         if pending:
             recorder.record(*pending)

@@ -106,6 +106,7 @@ CONFIG_FLAGS = (
         "train.tensorboard_dir",
         {"help": "also write the logged metrics as TensorBoard scalars here (needs tensorboardX)"},
     ),
+    ("--wandb-project", "train.wandb_project", {"help": "also log the metrics to this W&B project (needs wandb)"}),
     (
         "--profile-steps",
         "train.profile_steps",

@@ -134,6 +134,9 @@ class DataConfig(Settings):
     partition: str = setting("uniform", "how labelled data is split over replicas", choices=PARTITIONS)
 
 
+WANDB_MODES = ("auto", "online", "offline")  # auto: online where W&B credentials are found (jaxtrain.training.tracking)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(Settings):
     section: ClassVar[str] = "train"
@@ -190,6 +193,11 @@ class TrainConfig(Settings):
     seed: int = setting(0, "seeds the params and the data order", at_least=0)
     metrics_file: str = setting("", "append one JSON object per logged step to this file")
     tensorboard_dir: str = setting("", "also write the logged metrics as TensorBoard scalars here (tensorboardX)")
+    wandb_project: str = setting("", "also log the metrics to this Weights & Biases project; empty: no W&B")
+    wandb_mode: str = setting(
+        "auto", "W&B: online, offline, or auto (online where credentials are)", choices=WANDB_MODES
+    )
+    wandb_dir: str = setting("", "W&B's local files; empty: the checkpoint directory, else the working directory")
     profile_steps: str = setting("", "trace steps START:STOP-1 with jax.profiler (e.g. 10:13); empty: none")
     profile_dir: str = setting("", "where the profile_steps trace goes (and a device memory profile on OOM)")
     progress: bool = setting(True, "a progress bar, not log lines")

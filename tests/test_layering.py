@@ -49,6 +49,7 @@ LOOP_ONLY = {  # what the planner must not reach: the loop and the runtime aroun
     "jaxtrain.training.metrics",
     "jaxtrain.training.run_lock",
     "jaxtrain.training.profiling",
+    "jaxtrain.training.tracking",
 }
 
 

@@ -1,10 +1,12 @@
 """What a training run writes for its user: the concise preflight, the JSONL metrics, the same values as TensorBoard
-scalars (read back from the event file with a reader written here), and each record handed to a callback."""
+scalars and as an offline Weights & Biases run (both read back from their files with readers written here), and each
+record handed to a callback."""
 
 import json
 import shutil
 import struct
 import sys
+import zlib
 
 import jax
 import pytest
@@ -16,6 +18,7 @@ from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.loop import train
 from jaxtrain.training.metrics import MetricsError
 from jaxtrain.training.run_identity import config_json, fingerprint
+from jaxtrain.training.tracking import TrackingError, resolved_mode
 
 
 def crc32c(data: bytes) -> int:
@@ -60,6 +63,47 @@ def tensorboard_scalars(directory) -> dict[tuple[str, int], float]:
     return scalars
 
 
+def wandb_records(path) -> list:
+    """The protobuf records of an offline W&B run file (`run-*.wandb`): a 7-byte header (":W&B", magic 0xBEE1,
+    version), then LevelDB's log format: 32 KiB blocks of chunks, each u32 CRC-32 of its type byte and data, u16
+    length, u8 type (1 whole, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert struct.unpack_from("<4sHB", data) == (b":W&B", 0xBEE1, 0)
+    records, pending, at = [], b"", 7
+    while at + 7 <= len(data):
+        if 32768 - at % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            at += 32768 - at % 32768
+            continue
+        crc, length, kind = struct.unpack_from("<IHB", data, at)
+        if kind == 0:
+            break  # zeroed padding at the end of the file
+        chunk = data[at + 7 : at + 7 + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+        at += 7 + length
+    return records
+
+
+def wandb_scalars(directory) -> tuple[dict[tuple[str, int], float], dict]:
+    """(key, step) -> value of the logged history, and the run's config, of the one offline run under `directory`."""
+    [path] = directory.glob("wandb/offline-run-*/run-*.wandb")
+    scalars, config = {}, {}
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            step = items.pop("_step")
+            scalars.update({(k, step): v for k, v in items.items() if not k.startswith("_")})
+        elif kind in ("run", "config"):
+            updates = record.run.config.update if kind == "run" else record.config.update
+            config.update({item.key: json.loads(item.value_json) for item in updates})
+    return scalars, config
+
+
 def test_crc32c_reference_value():
     assert crc32c(b"123456789") == 0xE3069283  # the check value of the CRC-32C catalogue entry
 
@@ -69,6 +113,7 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     overrides = ["steps=3", "log_every=1", "eval_every=2", "eval_batches=1", "progress=false", "mesh=data=8"]
     overrides += [f"metrics_file={out / 'metrics.jsonl'}", f"tensorboard_dir={out / 'tb'}"]
+    overrides += ["wandb_project=jaxtrain-tests", "wandb_mode=offline", f"wandb_dir={out / 'wb'}"]
     cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, *overrides])
     lines, records = [], []
     summary = train(cfg, log=lines.append, on_metrics=records.append)
@@ -85,6 +130,16 @@ def test_tensorboard_scalars_equal_the_jsonl(trained):
     for key, value in expected.items():
         assert scalars[key] == pytest.approx(value, rel=1e-6), key  # TensorBoard keeps float32
     assert records == jsonl  # the callback saw each record as written
+
+
+def test_wandb_offline_run_holds_the_jsonl_scalars_and_the_config(trained):
+    out, lines, _, summary = trained
+    jsonl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    expected = {(k, r["step"]): v for r in jsonl for k, v in r.items() if k not in ("step", "run")}
+    scalars, config = wandb_scalars(out / "wb")
+    assert scalars == expected
+    assert config["model"]["d_model"] == summary["run"].cfg.model.d_model
+    assert any(line.startswith("W&B: offline run") and "wandb sync" in line for line in lines)
 
 
 def test_preflight_is_concise_by_default(trained):
@@ -117,6 +172,24 @@ def test_missing_tensorboardx_is_a_clear_error_before_compiling(monkeypatch, tmp
     cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, f"tensorboard_dir={tmp_path}"])
     with pytest.raises(MetricsError, match=r"pip install 'jaxtrain\[tensorboard\]'"):
         train(cfg, log=lambda *_: pytest.fail("setup started"))
+
+
+def test_missing_wandb_is_a_clear_error_before_compiling(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, "wandb_project=p"])
+    with pytest.raises(TrackingError, match=r"pip install 'jaxtrain\[wandb\]'"):
+        train(cfg, log=lambda *_: pytest.fail("setup started"))
+
+
+def test_wandb_goes_online_only_with_credentials(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert resolved_mode("auto") == "offline"
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    (tmp_path / ".netrc").chmod(0o600)  # netrc refuses a password file others can read
+    assert resolved_mode("auto") == "online"
+    assert resolved_mode("offline") == "offline"
 
 
 def test_a_resumed_run_drops_the_rows_it_redoes(tmp_path):

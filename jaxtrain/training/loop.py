@@ -39,7 +39,9 @@ from jaxtrain.training.recovery import (
     save_checkpoint,
     stop_signals,
 )
+from jaxtrain.training.run_identity import config_json
 from jaxtrain.training.setup import Setup, setup
+from jaxtrain.training.tracking import WandbSink, resolved_mode, wandb_module
 
 
 def evaluate(run: Setup, params: Any) -> dict[str, float]:
@@ -71,6 +73,8 @@ def train(
     log = log if lead else lambda *_: None
     if lead and cfg.train.tensorboard_dir:
         tensorboard_writer_class()  # a missing tensorboardX is an error now, not after compiling
+    if lead and cfg.train.wandb_project:
+        wandb_module(), resolved_mode(cfg.train.wandb_mode)  # likewise wandb
     with run_lock.holding(cfg.train.checkpoint_dir, log):  # one writer per checkpoint directory, from start to exit
         # Refused before anything compiles: a resume of another run's checkpoints, metrics into another run's files.
         run_name = check_resume(cfg)
@@ -82,7 +86,7 @@ def train(
             state, progress = initial_state(run, checkpoints, log)
             peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
             log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
-            sink = _metrics_sink(cfg, lead, on_metrics, progress)
+            sink = _metrics_sink(cfg, lead, on_metrics, progress, log)
             traced = step_profiler(profiled, cfg.train.profile_dir)
             with Recorder(run, peak, sink) as recorder, stop_signals() as stop, traced as profiler:
                 state, preempted = _loop(run, state, progress, checkpoints, recorder, stop, log, profiler)
@@ -96,12 +100,20 @@ def train(
     return {**summary, "history": recorder.history, "state": state, "run": run}
 
 
-def _metrics_sink(cfg: RunConfig, lead: bool, on_metrics: Callable | None, progress: Progress) -> MetricsLog:
+def _metrics_sink(
+    cfg: RunConfig, lead: bool, on_metrics: Callable | None, progress: Progress, log: Callable[[str], None]
+) -> MetricsLog:
     """Where process 0 writes the metrics of the run `progress` names, from its step on (the other processes train
     silently)."""
     if not lead:
         return MetricsLog(None, cfg.train.steps, stream=None)
     t = cfg.train
+    wandb = None
+    if t.wandb_project:
+        directory = t.wandb_dir or t.checkpoint_dir or "."
+        wandb = WandbSink(t.wandb_project, directory, progress.run, config_json(cfg), t.wandb_mode)
+        sync = f" (wandb sync {wandb.files} uploads it)" if wandb.mode == "offline" else ""
+        log(f"W&B: {wandb.mode} run {progress.run} of project {t.wandb_project} in {wandb.files}{sync}")
     return MetricsLog(
         t.metrics_file or None,
         t.steps,
@@ -110,6 +122,7 @@ def _metrics_sink(cfg: RunConfig, lead: bool, on_metrics: Callable | None, progr
         on_record=on_metrics,
         run=progress.run,
         start=progress.step,
+        wandb=wandb,
     )
 
 

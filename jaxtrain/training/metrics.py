@@ -1,5 +1,5 @@
-"""Where metrics go: a JSON-lines file (one object per logged step), TensorBoard scalars, a progress bar or plain
-log lines, and a callback.
+"""Where metrics go: a JSON-lines file (one object per logged step), TensorBoard scalars, a Weights & Biases run
+(`jaxtrain.training.tracking`), a progress bar or plain log lines, and a callback.
 
 The file holds one row per step of the run's trajectory, in order, each step at most once, and each row names its
 run: `"run"`, the fingerprint of the config that defines the trajectory (`run_identity.fingerprint`), the same for a
@@ -26,6 +26,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from jaxtrain.errors import UserInputError
+from jaxtrain.training.tracking import WandbSink
 
 
 class MetricsError(UserInputError):
@@ -61,6 +62,7 @@ class MetricsLog:
         on_record: Callable[[dict[str, Any]], None] | None = None,
         run: str = "",
         start: int = 0,
+        wandb: WandbSink | None = None,
     ):
         self.path = Path(path) if path else None
         self.tensorboard_dir = Path(tensorboard_dir) if tensorboard_dir else None
@@ -70,6 +72,7 @@ class MetricsLog:
         self.step = start
         self._open(start)
         self.on_record = on_record
+        self.wandb = wandb
         self.stream = stream
         self.bar = (
             tqdm(total=total_steps, initial=start, file=stream, unit="step", dynamic_ncols=True)
@@ -111,6 +114,8 @@ class MetricsLog:
             for key, value in metrics.items():  # a non-finite value is drawn as such, not dropped as in the JSON
                 self.board.add_scalar(key, float(value), step)
             self.board.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
         if self.on_record is not None:
             self.on_record(record)
         if self.bar is not None:
@@ -130,6 +135,8 @@ class MetricsLog:
         if self.bar is not None:
             self.bar.close()
         self._close_outputs()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def check_outputs(path: str | None, tensorboard_dir: str | None, run: str) -> None:

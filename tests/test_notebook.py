@@ -1,12 +1,16 @@
 """notebooks/quickstart.ipynb runs top to bottom on a fresh kernel, what it shows holds (same losses on both meshes,
-the bytes each device holds and sends, a checkpoint restored onto the other mesh), and re-running cells is safe."""
+the bytes each device holds and sends, a checkpoint restored onto the other mesh), its figures are the ones committed
+with it, and re-running cells is safe."""
 
 import ast
+import base64
+import io
 import json
 import re
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
@@ -44,7 +48,32 @@ def kernel_env(monkeypatch, tmp_path):
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend draws the figures
 
 
+def images(cell) -> list[np.ndarray]:
+    """The cell's PNG outputs (a display handle's last update included) as RGB arrays in [0, 1]."""
+    import matplotlib.image
+
+    pngs = [o["data"]["image/png"] for o in cell.outputs if "image/png" in o.get("data", {})]
+    return [matplotlib.image.imread(io.BytesIO(base64.b64decode(png)))[..., :3] for png in pngs]
+
+
+def assert_same_figures(executed, committed) -> None:
+    """Each tagged cell's figures as committed (scripts/run_notebook.py saved them): the same number and sizes, and
+    the same pixels within a tolerance for antialiasing and float rounding in the curves."""
+    compared = 0
+    for cell in committed.cells:
+        tags = cell.metadata.get("tags", [])
+        if cell.cell_type != "code" or not tags or not images(cell):
+            continue
+        got, want = images(tagged(executed, tags[0])[1]), images(cell)
+        assert [g.shape for g in got] == [w.shape for w in want], tags[0]
+        for g, w in zip(got, want):
+            assert np.abs(g - w).mean() < 0.002, tags[0]  # measured: 0 on a rerun, 0.0102 at another learning rate
+        compared += len(want)
+    assert compared >= 3, "the committed notebook has lost its figures: run scripts/run_notebook.py on it"
+
+
 def test_quickstart_runs_and_reruns(kernel_env):
+    committed = nbformat.read(NOTEBOOK, as_version=4)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
     with client.setup_kernel():
@@ -66,6 +95,7 @@ def test_quickstart_runs_and_reruns(kernel_env):
         # data=8 sends only the gradient's ring all-reduce: 2(N-1)/N = 1.75x its bytes from each device.
         assert replicated["sent_bytes_per_step"] == pytest.approx(1.75 * 4 * GPT_TINY_PARAMS, rel=0.01)
         assert "restored params equal the first run's final params: True" in stdout(tagged(nb, "checkpoint")[1])
+        assert_same_figures(nb, committed)
         big = stdout(tagged(nb, "plan-big")[1])  # gpt-1b on 64 H100s: too big as asked, and what would fit
         assert "verdict: does not fit" in big and "changes that fit" in big
         checked = stdout(tagged(nb, "plan-check")[1])  # compiled, or read from the cache of the training cells

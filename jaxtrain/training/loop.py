@@ -41,7 +41,7 @@ from jaxtrain.training.recovery import (
 )
 from jaxtrain.training.run_identity import config_json
 from jaxtrain.training.setup import Setup, setup
-from jaxtrain.training.tracking import WandbSink, resolved_mode, wandb_module
+from jaxtrain.training.tracking import WandbSink, wandb_module
 
 
 def evaluate(run: Setup, params: Any) -> dict[str, float]:
@@ -73,8 +73,8 @@ def train(
     log = log if lead else lambda *_: None
     if lead and cfg.train.tensorboard_dir:
         tensorboard_writer_class()  # a missing tensorboardX is an error now, not after compiling
-    if lead and cfg.train.wandb_project:
-        wandb_module(), resolved_mode(cfg.train.wandb_mode)  # likewise wandb
+    if lead and cfg.train.wandb_project:  # likewise a missing wandb
+        wandb_module()
     with run_lock.holding(cfg.train.checkpoint_dir, log):  # one writer per checkpoint directory, from start to exit
         # Refused before anything compiles: a resume of another run's checkpoints, metrics into another run's files.
         run_name = check_resume(cfg)

@@ -10,6 +10,7 @@ trajectory as trained, W&B the values first logged (its own rule). Needs `pip in
 from __future__ import annotations
 
 import netrc
+import numbers
 import os
 from pathlib import Path
 from typing import Any
@@ -74,8 +75,8 @@ class WandbSink:
         return Path(self.run.dir).parent
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        self.run.log(numbers, step=step)
+        values = {k: float(v) for k, v in metrics.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+        self.run.log(values, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -57,6 +57,11 @@ FREE_KEYS = frozenset(
                 "eval_batches",
                 "metrics_file",
                 "tensorboard_dir",
+                "wandb_project",
+                "wandb_mode",
+                "wandb_dir",
+                "profile_steps",
+                "profile_dir",
                 "progress",
                 "verbose",
             )

@@ -92,8 +92,8 @@ def test_a_two_process_checkpoint_resumes_under_other_process_counts(layout, ref
 
 @pytest.mark.slow  # three process launches and a heartbeat timeout: ~40 s
 def test_a_dead_peer_stops_the_job_and_a_rerun_resumes(tmp_path):
-    """SIGKILL process 1: process 0 exits non-zero within 2 minutes, naming the lost task; rerunning resumes from
-    the last checkpoint."""
+    """SIGKILL process 1: process 0 exits non-zero within 2 minutes, naming the lost task (or the collective it broke
+    off); rerunning resumes from the last checkpoint."""
     directory, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     args = [*ARGS, "--mesh", "data=8", "--steps", "400", "--checkpoint-dir", str(directory), "--checkpoint-every", "5"]
     args += ["--metrics-file", str(metrics), "--heartbeat-timeout", "10"]
@@ -110,9 +110,12 @@ def test_a_dead_peer_stops_the_job_and_a_rerun_resumes(tmp_path):
     output, _ = processes[0].communicate(timeout=180)
     assert processes[0].returncode != 0
     assert time.time() - killed < 120
-    assert "Task 1 heartbeat timeout" in output or "unhealthy (stopped sending heartbeats):\n1" in output, output[
-        -3000:
-    ]
+    # How the survivor learns of the death depends on where it was: between collectives, JAX's coordination service
+    # misses task 1's heartbeats and names it; inside a collective with it, gloo's transport to the dead peer fails
+    # first (seen in CI: "enforce fail at .../gloo/transport/tcp/pair.cc ... Received data size doesn't match").
+    # Either way the job stops at once instead of hanging, which is what this test is for.
+    named = "Task 1 heartbeat timeout" in output or "unhealthy (stopped sending heartbeats):\n1" in output
+    assert named or "gloo/transport" in output, output[-3000:]
     saved = max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
     assert saved >= 5
     # Fewer steps, to finish soon: a change of the schedule's length, so it must be allowed by name.

@@ -112,19 +112,28 @@ def _rule_text(key: str, axes: object) -> str:
     raise ConfigError(f"{key}: {axes!r} is not mesh axes: give a name, names separated by commas, or a tuple of names.")
 
 
-def plan(cfg: RunConfig, chip: str | None = None, devices: int | None = None, *, check: bool = True) -> str:
+def plan(
+    cfg: RunConfig,
+    chip: str | None = None,
+    devices: int | None = None,
+    *,
+    check: bool = True,
+    aot_topology: str | None = None,
+) -> str:
     """The planner's report on `cfg` (what `jaxtrain plan` prints): per-device memory, collectives per mesh axis, a
     roofline step time and MFU on `devices` chips of kind `chip` (`v5p`, `h100`, ...; default: this machine's
     accelerators and count, or the layout's fixed size), whether it fits and which changes would make it fit. With
     `check` and enough devices in this process, it also compiles the step and prints XLA's figures beside the
-    estimates.
+    estimates. `aot_topology` (`v5p:4x4x4`, `h100:8`, ...: the command line's --aot-topology) compiles the step
+    for that TPU slice or GPU node on compile-only devices instead, which needs the `tpu-aot` or `gpu-aot` extra.
 
     >>> big = config("gpt-1b", mesh="tpu-v5p-128", batch_size=256, seq_len=2048)
     >>> print(plan(big, chip="v5p"))                                                     # doctest: +SKIP
+    >>> print(plan(big, aot_topology="v5p:4x4x4"))  # compiled by the TPU compiler       # doctest: +SKIP
     """
     from jaxtrain.planner import plan_report
 
-    return plan_report(cfg, chip, devices, check=check)
+    return plan_report(cfg, chip, devices, check=check, aot_topology=aot_topology)
 
 
 def __getattr__(name: str) -> Any:

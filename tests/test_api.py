@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 
 import jaxtrain
 from jaxtrain import registry
+from jaxtrain.data.datasets import DataError, Digits, TokenWindows
 from jaxtrain.run_config import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,3 +239,47 @@ def test_import_and_help_import_no_jax_and_user_names_survive_the_entry_points()
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def own_tokens(n: int = 4000) -> np.ndarray:
+    """Token ids a user has in memory: a repeating pattern over ids 0..49, which a model can learn."""
+    return (np.arange(n) * 7 % 50).astype(np.int64)
+
+
+def test_your_own_token_ids_train_alike_on_one_device_and_a_mesh():
+    data = TokenWindows(own_tokens(), seq_len=16, seed=0, vocab_size=256)
+    summaries = [
+        jaxtrain.train(
+            jaxtrain.config("bytes", mesh=mesh, **RUN), log=lambda *_: None, devices=jax.devices()[:n], dataset=data
+        )
+        for mesh, n in (("single", 1), ("data=2,tensor=2", 4))
+    ]
+    batch = jax.device_get(summaries[1]["run"].batch("train", 0)["tokens"])
+    np.testing.assert_array_equal(batch, data.rows("train", 0, range(8), 8)["tokens"])  # the user's rows, no others
+    assert_curves_close(curve(summaries[1]), curve(summaries[0]))
+    assert summaries[0]["history"][-1]["loss"] < summaries[0]["history"][0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        (
+            lambda: TokenWindows(own_tokens(), seq_len=8, seed=0),
+            r"gives tokens of shape \(8, 9\), but this run's batch",
+        ),
+        (
+            lambda: TokenWindows(own_tokens() + 250, seq_len=16, seed=0),
+            "holds token id 299, but the model's vocab_size",
+        ),
+        (lambda: TokenWindows(own_tokens().astype(float), 16, 0), "expected a 1-D array of integer token ids"),
+        (
+            lambda: TokenWindows(own_tokens(), 16, 0, vocab_size=40),
+            r"holds token ids 0..49, but the model's vocab_size",
+        ),
+        (lambda: object(), "dataset object has no task, shapes, rows"),
+        (lambda: Digits.__new__(Digits), "is for classification models, but this model needs lm data"),
+    ],
+)
+def test_your_own_dataset_is_checked_against_the_run(dataset, message):
+    with pytest.raises(DataError, match=message):
+        jaxtrain.train(jaxtrain.config("bytes", mesh="data=8", **RUN), log=lambda *_: None, dataset=dataset())

@@ -95,26 +95,55 @@ def _by_label_classes(classes: np.ndarray, replicas: int) -> list[np.ndarray]:
     return [classes[(k * m + np.arange(m)) % len(classes)] for k in range(replicas)]
 
 
-class ByteText:
-    """Byte-level language modelling: random windows of `seq_len + 1` bytes; the last `val_fraction` held out."""
+class TokenWindows:
+    """Windows of `seq_len + 1` consecutive tokens of a 1-D array of token ids, the last `val_fraction` of which is
+    held out for validation: each row's window starts where (seed, split, step, row) says. Your own token ids in
+    memory (a tokenized text, a numpy array) as a language-model dataset: pass it to `jaxtrain.train(cfg,
+    dataset=...)`.
+
+    >>> data = TokenWindows(np.arange(1000) % 50, seq_len=16, seed=0, vocab_size=64)
+    >>> data.rows("train", 0, range(2), 2)["tokens"].shape
+    (2, 17)
+    """
 
     task = "lm"
 
-    def __init__(self, data: bytes, seq_len: int, seed: int, val_fraction: float = 0.1, name: str = "text"):
-        tokens = np.frombuffer(data, dtype=np.uint8)
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        seed: int,
+        val_fraction: float = 0.1,
+        name: str = "token array",
+        vocab_size: int | None = None,
+        unit: str = "tokens",
+    ):
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise DataError(
+                f"{name}: expected a 1-D array of integer token ids, got {tokens.dtype} of shape {tokens.shape}: "
+                "concatenate the documents' ids (np.concatenate) into one integer array."
+            )
         if not len(tokens):
             raise DataError(f"{name} is empty: a language model needs text to train on.")
+        if vocab_size is not None and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            raise DataError(
+                f"{name} holds token ids {int(tokens.min())}..{int(tokens.max())}, but the model's vocab_size is "
+                f"{vocab_size}: use a model with vocab_size > {int(tokens.max())}, or map the ids into "
+                f"0..{vocab_size - 1}."
+            )
         split_at = int(len(tokens) * (1 - val_fraction))
         self.splits = {"train": tokens[:split_at], "val": tokens[split_at:]}
         for split, part in self.splits.items():
-            if len(part) <= seq_len + 1:  # a window is seq_len + 1 bytes, and must have somewhere to start
+            if len(part) <= seq_len + 1:  # a window is seq_len + 1 tokens, and must have somewhere to start
                 need = math.ceil((seq_len + 2) / min(val_fraction, 1 - val_fraction)) + 1
                 raise DataError(
-                    f"{name} is too short for data.seq_len={seq_len}: of its {len(tokens)} bytes, the {split} split "
+                    f"{name} is too short for data.seq_len={seq_len}: of its {len(tokens)} {unit}, the {split} split "
                     f"(data.val_fraction={val_fraction:g}) has {len(part)}, and a window needs seq_len + 2 = "
-                    f"{seq_len + 2}. Use a shorter seq_len or a file of at least {need} bytes."
+                    f"{seq_len + 2}. Use a shorter seq_len or at least {need} {unit}."
                 )
         self.seq_len, self.seed, self.name = seq_len, seed, name
+        self.largest_id = int(tokens.max())
 
     def shapes(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         return {"tokens": jax.ShapeDtypeStruct((batch_size, self.seq_len + 1), np.int32)}
@@ -124,6 +153,12 @@ class ByteText:
         width = self.seq_len + 1
         starts = [_row_rng(self.seed, split, step, r).integers(0, len(tokens) - width) for r in rows]
         return {"tokens": np.stack([tokens[s : s + width] for s in starts]).astype(np.int32)}
+
+
+def byte_text(data: bytes, seq_len: int, seed: int, val_fraction: float = 0.1, name: str = "text") -> TokenWindows:
+    """Text as byte-level tokens (one token per byte, vocabulary 256)."""
+    tokens = np.frombuffer(data, dtype=np.uint8)
+    return TokenWindows(tokens, seq_len, seed, val_fraction, name=name, unit="bytes")
 
 
 class SyntheticTokens:
@@ -398,9 +433,9 @@ def make_dataset(
     elif source in ("clicks", "synthetic"):
         dataset = Clicks(vocab_size, seed)  # a recommender's vocab_size: the ids per field
     elif source == "builtin":
-        dataset = ByteText(builtin_text(), seq_len, seed, val_fraction, name="builtin text")
+        dataset = byte_text(builtin_text(), seq_len, seed, val_fraction, name="builtin text")
     else:
-        dataset = ByteText(read_text_file(Path(source)), seq_len, seed, val_fraction, name=f"'{source}'")
+        dataset = byte_text(read_text_file(Path(source)), seq_len, seed, val_fraction, name=f"'{source}'")
     if dataset.task != task:
         raise DataError(f"data source '{source}' is for {dataset.task} models, but this model needs {task} data.")
     if isinstance(dataset, Digits) and (features != DIGIT_PIXELS or classes < DIGIT_CLASSES):
@@ -414,8 +449,41 @@ def make_dataset(
             f"data.partition={partition} splits data by class label, so it needs labelled data (digits); "
             f"'{source}' has no class labels to split by. Use data.partition=uniform."
         )
-    if task == "lm" and vocab_size < 256 and not isinstance(dataset, SyntheticTokens):
+    if task == "lm" and vocab_size < 256 and isinstance(dataset, TokenWindows):
         raise DataError(f"byte-level text needs vocab_size >= 256, the model has {vocab_size}.")
+    return dataset
+
+
+def check_dataset(dataset: object, task: str, seq_len: int, batch_size: int, vocab_size: int) -> Dataset:
+    """`dataset`, one a caller brought (`jaxtrain.train(cfg, dataset=...)`), if it fits a model of kind `task`: it
+    has the `Dataset` protocol's `task`, `shapes` and `rows`, the model's task, and for a language model rows of
+    `seq_len + 1` tokens (and, where it says, ids under `vocab_size`). Else a `DataError` saying what to change."""
+    missing = [name for name in ("task", "shapes", "rows") if not hasattr(dataset, name)]
+    if missing:
+        raise DataError(
+            f"dataset {type(dataset).__name__} has no {', '.join(missing)}: a dataset has a `task` (lm, "
+            "classification, clicks), `shapes(batch_size)` and `rows(split, step, rows, batch_size)` "
+            "(jaxtrain.data.datasets.Dataset; e.g. TokenWindows for token ids in memory)."
+        )
+    if dataset.task != task:
+        raise DataError(
+            f"dataset {type(dataset).__name__} is for {dataset.task} models, but this model needs {task} data."
+        )
+    shapes = dataset.shapes(batch_size)
+    if task == "lm":
+        width = getattr(shapes.get("tokens"), "shape", None)
+        if width != (batch_size, seq_len + 1):
+            raise DataError(
+                f"dataset {type(dataset).__name__} gives tokens of shape {width}, but this run's batch is "
+                f"(batch_size, seq_len + 1) = {(batch_size, seq_len + 1)}: build the dataset with seq_len={seq_len}, "
+                "or set the run's seq_len to the dataset's."
+            )
+        largest = getattr(dataset, "largest_id", None)
+        if largest is not None and largest >= vocab_size:
+            raise DataError(
+                f"dataset {type(dataset).__name__} holds token id {largest}, but the model's vocab_size is "
+                f"{vocab_size}: use a model with vocab_size > {largest}."
+            )
     return dataset
 
 

@@ -65,7 +65,7 @@ class Generation:
 
 
 class ByteTokenizer:
-    """The tokenizer of jaxtrain's text data (`builtin` and text files, `jaxtrain.data.datasets.ByteText`): one token
+    """The tokenizer of jaxtrain's text data (`builtin` and text files, `jaxtrain.data.datasets.byte_text`): one token
     per UTF-8 byte."""
 
     def encode(self, text: str) -> list[int]:

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxtrain.analysis.flops import peak_flops
+from jaxtrain.data.datasets import Dataset
 from jaxtrain.run_config import RunConfig
 from jaxtrain.training import run_lock
 from jaxtrain.training.checkpoint import Checkpoints
@@ -55,12 +56,16 @@ def train(
     log: Callable[[str], None] = print,
     devices: Sequence[jax.Device] | None = None,
     on_metrics: Callable[[dict[str, float]], None] | None = None,
+    dataset: Dataset | None = None,
 ) -> dict[str, Any]:
     """Run `cfg` to completion. Returns a summary: final metrics, throughput, the logged history, the state, and
     the `Setup` it ran (its plan and compiled step, for inspection).
 
     `on_metrics` receives each logged step's record, `{"step": ..., "loss": ..., ...}`, as it is written to
-    `train.metrics_file` (e.g. to redraw a plot in a notebook).
+    `train.metrics_file` (e.g. to redraw a plot in a notebook). `dataset`: your own data instead of
+    `cfg.data.source`, e.g. `jaxtrain.data.datasets.TokenWindows(token_ids, seq_len, seed)` for token ids in memory
+    (any object with the `Dataset` protocol's `task`, `shapes` and `rows`). A checkpoint records the config, not the
+    data: resuming with other data is not detected.
 
     With `train.checkpoint_dir`, it holds that directory's lock (`run_lock`: one writer at a time), resumes from the
     newest checkpoint there if its config defines the same run (`run_identity`; else `RunIdentityError`, before
@@ -81,7 +86,7 @@ def train(
         profiled = check_profile_settings(cfg.train.profile_steps, cfg.train.profile_dir)
         if lead:
             check_outputs(cfg.train.metrics_file, cfg.train.tensorboard_dir, run_name)
-        run = setup(cfg, log, devices)
+        run = setup(cfg, log, devices, dataset)
         with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
             state, progress = initial_state(run, checkpoints, log)
             peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.analysis.memory import memory_report
-from jaxtrain.data.datasets import Dataset, global_batch, make_dataset, model_data_args
+from jaxtrain.data.datasets import Dataset, check_dataset, global_batch, make_dataset, model_data_args
 from jaxtrain.formatting import fmt_bytes
 from jaxtrain.parallel.grad_sync import GradientSync
 from jaxtrain.parallel.pipeline import Pipeline, make_pipeline, stacked_layer_count
@@ -109,13 +109,19 @@ class Setup:
         )
 
 
-def setup(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None) -> Setup:
+def setup(
+    cfg: RunConfig,
+    log: Callable[[str], None] = print,
+    devices: Sequence[jax.Device] | None = None,
+    dataset: Dataset | None = None,
+) -> Setup:
     """Build mesh, rules, plan and data, and compile the train step (nothing runs yet).
 
-    `devices`: the devices the mesh spans (default: all of them). The preflight it logs is a few lines; with
+    `devices`: the devices the mesh spans (default: all of them). `dataset`: your own data (a `Dataset`, e.g.
+    `TokenWindows` of token ids in memory) instead of `cfg.data.source`. The preflight it logs is a few lines; with
     `train.verbose`, the full tables.
     """
-    run = build(cfg, log, devices)
+    run = build(cfg, log, devices, dataset)
     log(memory_report(run.train_step))
     log(communication(run) if cfg.train.verbose else communication_summary(run))
     return run
@@ -140,7 +146,12 @@ def communication_summary(run: Setup) -> str:
     )
 
 
-def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[jax.Device] | None = None) -> Setup:
+def build(
+    cfg: RunConfig,
+    log: Callable[[str], None] = print,
+    devices: Sequence[jax.Device] | None = None,
+    dataset: Dataset | None = None,
+) -> Setup:
     """Like `setup`, but compiles nothing: steps compile when first used."""
     spec, _ = resolve_model(cfg.model_name)
     layout = parse_layout(cfg.mesh)
@@ -159,16 +170,7 @@ def build(cfg: RunConfig, log: Callable[[str], None] = print, devices: Sequence[
     if mesh.shape["pipeline"] > 1:  # a model the pipeline cannot split is an error before any data is read
         stacked_layer_count(model.logical_names, model.abstract_params)
     optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, model.logical_names)
-    dataset = make_dataset(
-        cfg.data.source,
-        spec.task,
-        seed=cfg.train.seed,
-        seq_len=cfg.data.seq_len,
-        **model_data_args(cfg.model),
-        val_fraction=cfg.data.val_fraction,
-        partition=cfg.data.partition,
-        replicas=mesh.shape["replica"],
-    )
+    dataset = _dataset(cfg, spec.task, mesh, dataset)
     pipeline = _pipeline(cfg, mesh, model, dataset.shapes(cfg.data.batch_size))
     if pipeline and verbose:
         log(pipeline.describe())
@@ -228,6 +230,23 @@ def _update_policy(cfg: RunConfig, mesh: Mesh) -> UpdatePolicy:
             f"{t.sync} exists to avoid: inside each replica XLA reduces the gradient; use grad_sync=xla."
         )
     return policy
+
+
+def _dataset(cfg: RunConfig, task: str, mesh: Mesh, given: Dataset | None) -> Dataset:
+    """The caller's dataset, checked against the model and the run's batch, or the one `cfg.data.source` names."""
+    data_args = model_data_args(cfg.model)
+    if given is not None:
+        return check_dataset(given, task, cfg.data.seq_len, cfg.data.batch_size, data_args["vocab_size"])
+    return make_dataset(
+        cfg.data.source,
+        task,
+        seed=cfg.train.seed,
+        seq_len=cfg.data.seq_len,
+        **data_args,
+        val_fraction=cfg.data.val_fraction,
+        partition=cfg.data.partition,
+        replicas=mesh.shape["replica"],
+    )
 
 
 def _pipeline(cfg: RunConfig, mesh: Mesh, model: ModelParts, shapes: dict) -> Pipeline | None:

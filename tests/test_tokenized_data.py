@@ -4,6 +4,7 @@ between documents, mixed by weight; bad input is one clear error naming the file
 
 import json
 import shutil
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import shared_file
 from flax import nnx
 from helpers import make_run
 
@@ -22,15 +24,16 @@ from jaxtrain.data.shards import ShardError, shard_dtype, tokenize
 from jaxtrain.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab, train_bpe
 from jaxtrain.data.tokens import TokenData
 from jaxtrain.errors import UserInputError
+from jaxtrain.inference.generate import tokenizer_for
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.loop import train
 
 VOCAB = 600  # the model's vocab_size: 640
 
 
-def stdlib_documents(count: int, skip: int = 0) -> list[str]:
+def stdlib_documents(count: int) -> list[str]:
     """`count` modules of Python's standard library, as text: real documents that ship with Python."""
-    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[skip : skip + count]
+    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:count]
     return [p.read_text(encoding="utf-8", errors="replace")[:12_000] for p in paths]
 
 
@@ -46,7 +49,10 @@ def corpus(tmp_path_factory):
     pq.write_table(pa.table({"text": docs[50:], "id": range(10)}), root / "docs.parquet", row_group_size=5)
     tokenizer = train_bpe(sorted((root / "texts").iterdir()), VOCAB, root / "tok.json")
     inputs = [root / "texts", root / "docs.jsonl", root / "docs.parquet"]
-    manifest = tokenize(root / "tok.json", inputs, root / "shards", val_fraction=0.2, progress=False)
+    # Chunks of 30 kB: several text files to a chunk, the JSON lines cut into byte ranges.
+    manifest = tokenize(
+        root / "tok.json", inputs, root / "shards", val_fraction=0.2, chunk_bytes=30_000, progress=False
+    )
     return {"root": root, "docs": docs, "tokenizer": tokenizer, "dir": root / "shards", "manifest": manifest}
 
 
@@ -91,14 +97,16 @@ def test_shards_hold_every_document_with_its_boundaries(corpus):
 def test_an_interrupted_tokenization_finishes_when_rerun_with_workers(corpus, tmp_path):
     inputs = [corpus["root"] / "texts"]
     out = tmp_path / "shards"
-    whole = tokenize(corpus["root"] / "tok.json", inputs, out, val_fraction=0.2, workers=2, progress=False)
-    for name in ("chunk-00003.done", "train-00003.tokens.npy", "manifest.json"):  # as a kill mid-chunk leaves it
+    options = {"val_fraction": 0.2, "workers": 2, "chunk_bytes": 60_000, "progress": False}
+    whole = tokenize(corpus["root"] / "tok.json", inputs, out, **options)
+    assert len(list(out.glob("chunk-*.done"))) >= 4
+    for name in ("chunk-00002.done", "train-00002.tokens.npy", "manifest.json"):  # as a kill mid-chunk leaves it
         (out / name).unlink()
     before = {p.name: p.read_bytes() for p in out.glob("*.npy")}
-    again = tokenize(corpus["root"] / "tok.json", inputs, out, val_fraction=0.2, workers=2, progress=False)
+    again = tokenize(corpus["root"] / "tok.json", inputs, out, **options)
     assert again == whole and {p.name: p.read_bytes() for p in out.glob("*.npy") if p.name in before} == before
     with pytest.raises(ShardError, match=r"holds a tokenization with other settings \(val_fraction differ"):
-        tokenize(corpus["root"] / "tok.json", inputs, out, val_fraction=0.3, progress=False)
+        tokenize(corpus["root"] / "tok.json", inputs, out, **{**options, "val_fraction": 0.3})
 
 
 def test_the_model_vocabulary_comes_from_the_tokenizer(corpus):
@@ -114,6 +122,7 @@ def test_the_model_vocabulary_comes_from_the_tokenizer(corpus):
     assert kept.model.vocab_size == 1024 and apply_overrides(kept, ["seq_len=64"]).model.vocab_size == 1024
     with pytest.raises(DataError, match=r"has 600 tokens, but the model's vocab_size is 512: .* padded to 640"):
         make_dataset(f"tokens:{corpus['dir']}", "lm", seq_len=16, seed=0, vocab_size=512)
+    assert tokenizer_for(cfg).digest == corpus["tokenizer"].digest  # jaxtrain generate encodes prompts with it
 
 
 TOKENS_RUN = ["steps=6", "batch_size=8", "seq_len=32", "warmup_steps=1", "learning_rate=0.01", "log_every=1"]
@@ -255,3 +264,32 @@ def test_the_cli_reports_bad_tokenized_data_in_one_line(tmp_path, capsys):
         main(["tokenize", "--tokenizer", str(tmp_path / "none.json"), "--out", str(tmp_path / "o"), str(tmp_path)]) == 2
     )
     assert "tokenizer train --vocab-size N" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two process launches: ~40 s
+def test_two_processes_train_on_the_batches_one_process_does(corpus, tmp_path):
+    """2 processes x 4 devices, each reading only its own rows of the shards: the losses of 1 process x 8."""
+    from test_multiprocess import launch, logged
+
+    data = [f"data.source=tokens:{corpus['dir']}", "data.packing=segments"]
+    metrics = tmp_path / "m.jsonl"
+    done = launch(2, 4, "--mesh", "data=2,fsdp=2,tensor=2", "--steps", "4", "--metrics-file", str(metrics), *data)
+    assert done.returncode == 0, done.stdout[-3000:]
+    cfg = apply_overrides(default_config("gpt-tiny"), [*TOKENS_RUN, "steps=4", "mesh=data=2,fsdp=2,tensor=2", *data])
+    reference = {r["step"]: r["loss"] for r in train(cfg, log=lambda *_: None)["history"]}
+    assert sorted(logged(metrics)) == [1, 2, 3, 4]
+    for step, loss in logged(metrics).items():
+        assert loss == pytest.approx(reference[step], rel=1e-5)
+
+
+@pytest.mark.slow  # two 300-step trainings: ~2 min
+def test_a_bpe_beats_bytes_per_byte_at_the_same_size_and_steps(tmp_path):
+    """tinyshakespeare as a 2,048-token BPE against bytes, the same tiny Llama and step budget: lower validation
+    loss in nats per byte on the same held-out text (scripts/bpe_vs_bytes.py draws the curves)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bpe_vs_bytes import compare
+
+    report = compare(shared_file("tinyshakespeare.txt"), tmp_path, steps=300)
+    bpe, raw = report["bpe"]["held_out_nats_per_byte"], report["bytes"]["held_out_nats_per_byte"]
+    assert report["bpe"]["held_out_tokens_per_byte"] < 0.5  # the BPE does compress
+    assert bpe < 0.95 * raw, report

@@ -405,10 +405,10 @@ def make_dataset(
     tokens = tokens or TokenOptions()
     token_dirs = token_sources(source, tokens.path, tokens.mixture)
     if token_dirs is not None:
-        return _token_data(token_dirs, seq_len, seed, tokens, vocab_size)
-    if source == "digits" or source.endswith((".csv", ".csv.gz")):
+        dataset: Dataset = _token_data(token_dirs, seq_len, seed, tokens, vocab_size)
+    elif source == "digits" or source.endswith((".csv", ".csv.gz")):
         path = named_data_file("digits.csv.gz") if source == "digits" else Path(source)
-        dataset: Dataset = Digits(path, seed, partition=partition, replicas=replicas)
+        dataset = Digits(path, seed, partition=partition, replicas=replicas)
     elif source == "synthetic" and task == "classification":
         dataset = SyntheticFeatures(features, classes, seed)
     elif source == "synthetic" and task == "lm":
@@ -432,7 +432,7 @@ def make_dataset(
             f"data.partition={partition} splits data by class label, so it needs labelled data (digits); "
             f"'{source}' has no class labels to split by. Use data.partition=uniform."
         )
-    if task == "lm" and vocab_size < 256 and not isinstance(dataset, SyntheticTokens):
+    if task == "lm" and vocab_size < 256 and isinstance(dataset, ByteText):
         raise DataError(f"byte-level text needs vocab_size >= 256, the model has {vocab_size}.")
     return dataset
 

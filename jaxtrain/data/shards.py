@@ -8,15 +8,16 @@ A tokenized directory holds:
     train-00003.docs.npy     where each document starts and ends: int64 offsets, documents + 1 of them
     val-00003.*              chunk 3's held-out documents
 
-The inputs are cut into chunks (a text file; a JSON-lines file's lines in ranges of `chunk_bytes`; a Parquet row
-group), tokenized by worker processes; each chunk's shards are written under temporary names and renamed, then
-its `.done` record, so a run that is interrupted resumes where it stopped when rerun. Which documents are held out
-is decided per chunk by a fixed seed: a rerun makes the same split.
+The inputs are cut into chunks (text files, together up to `chunk_bytes`; a JSON-lines file's lines in ranges of
+`chunk_bytes`; a Parquet row group), tokenized by worker processes; each chunk's shards are written under temporary
+names and renamed, then its `.done` record, so a run that is interrupted resumes where it stopped when rerun. Which
+documents are held out is decided per chunk by a fixed seed: a rerun makes the same split.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import multiprocessing
 import os
@@ -68,17 +69,22 @@ def input_files(inputs: Sequence[str | Path]) -> list[Path]:
 
 
 def plan_chunks(files: Sequence[Path], chunk_bytes: int) -> list[dict]:
-    """The units of work: a text file whole, a JSON-lines file in byte ranges (cut at lines), a Parquet row group."""
-    chunks = []
+    """The units of work: consecutive text files up to `chunk_bytes` together (a bigger one alone), a JSON-lines
+    file in byte ranges of `chunk_bytes` (cut at lines), a Parquet row group."""
+    chunks, texts, text_bytes = [], [], 0
     for path in files:
+        size = path.stat().st_size
         if path.suffix in JSONL_SUFFIXES:
-            size = path.stat().st_size
             chunks += [{"path": str(path), "start": s, "stop": s + chunk_bytes} for s in range(0, size, chunk_bytes)]
         elif path.suffix in PARQUET_SUFFIXES:
             chunks += [{"path": str(path), "group": g} for g in range(_parquet(path).num_row_groups)]
         else:
-            chunks.append({"path": str(path)})
-    return chunks
+            if texts and text_bytes + size > chunk_bytes:
+                chunks.append({"texts": texts})
+                texts, text_bytes = [], 0
+            texts.append(str(path))
+            text_bytes += size
+    return chunks + ([{"texts": texts}] if texts else [])
 
 
 def _parquet(path: Path):
@@ -95,6 +101,8 @@ def _parquet(path: Path):
 
 def chunk_documents(chunk: dict, documents: str) -> list[str]:
     """The documents of one chunk: texts, in order."""
+    if "texts" in chunk:
+        return [doc for path in chunk["texts"] for doc in text_documents(Path(path), documents)]
     path = Path(chunk["path"])
     if "start" in chunk:
         return list(_jsonl_texts(path, chunk["start"], chunk["stop"]))
@@ -103,6 +111,11 @@ def chunk_documents(chunk: dict, documents: str) -> list[str]:
         if "text" not in table.schema_arrow.names:
             raise ShardError(f"'{path}' has no 'text' column (it has: {', '.join(table.schema_arrow.names)}).")
         return [t for t in table.read_row_group(chunk["group"], columns=["text"]).column("text").to_pylist() if t]
+    raise ValueError(f"not a chunk: {chunk}")
+
+
+def text_documents(path: Path, documents: str) -> list[str]:
+    """A text file's documents: the file, or its blank-line paragraphs."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -143,27 +156,28 @@ def tokenize_chunk(index: int, chunk: dict, tokenizer_path: str, out: str, docum
     held_out = np.random.default_rng((SPLIT_SEED, index)).random(len(texts)) < val_fraction
     record = {}
     for split, mine in (("train", ~held_out), ("val", held_out)):
-        chosen = [t for t, keep in zip(texts, mine) if keep]
-        if chosen:
-            record[split] = _write_shard(Path(out), _shard_name(split, index), chosen, tokenizer)
+        shard = _write_shard(
+            Path(out), _shard_name(split, index), [t for t, keep in zip(texts, mine) if keep], tokenizer
+        )
+        if shard:
+            record[split] = shard
     _write_json(Path(out) / f"{_shard_name('chunk', index)}.done", record)
     return record
 
 
-_TOKENIZERS: dict[str, Tokenizer] = {}
-
-
+@functools.cache  # loaded once per worker process
 def _worker_tokenizer(path: str) -> Tokenizer:
-    if path not in _TOKENIZERS:  # once per worker process
-        _TOKENIZERS[path] = load_tokenizer(path)
-    return _TOKENIZERS[path]
+    return load_tokenizer(path)
 
 
-def _write_shard(out: Path, name: str, texts: list[str], tokenizer: Tokenizer) -> dict:
-    ids = [
-        doc for i in range(0, len(texts), ENCODE_BATCH) for doc in tokenizer.encode_batch(texts[i : i + ENCODE_BATCH])
-    ]
+def _write_shard(out: Path, name: str, texts: list[str], tokenizer: Tokenizer) -> dict | None:
+    """Write the token ids of `texts` and their document offsets as shard `name`; its counts, or None (and nothing
+    written) if no document has a token."""
+    batches = (tokenizer.encode_batch(texts[i : i + ENCODE_BATCH]) for i in range(0, len(texts), ENCODE_BATCH))
     eot = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
+    ids = [doc for batch in batches for doc in batch if doc or eot]  # a document of no tokens is no document
+    if not ids:
+        return None
     dtype = shard_dtype(tokenizer.vocab_size)
     tokens = np.concatenate([np.array(doc + eot, dtype=dtype) for doc in ids])
     offsets = np.concatenate([[0], np.cumsum([len(doc) + len(eot) for doc in ids])]).astype(np.int64)
@@ -195,7 +209,7 @@ def tokenize(
     val_fraction: float = 0.01,
     workers: int = 1,
     documents: str = "file",
-    chunk_bytes: int = 16 * 2**20,
+    chunk_bytes: int = 4 * 2**20,
     progress: bool = True,
 ) -> dict:
     """Tokenize `inputs` (text files, folders, JSON-lines or Parquet with a `text` field) with the tokenizer at

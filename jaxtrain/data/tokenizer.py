@@ -40,6 +40,9 @@ class Tokenizer:
     encode_batch: Callable[[Sequence[str]], list[list[int]]]
     decode: Callable[[Sequence[int]], str]
 
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
 
 def padded_vocab(vocab_size: int) -> int:
     """`vocab_size` rounded up to a multiple of `VOCAB_MULTIPLE`: the model's vocabulary for this tokenizer."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxtrain.data.packing import PACKINGS, ConcatWindows, PackedRows
 from jaxtrain.data.shards import FORMAT, MANIFEST
-from jaxtrain.data.tokenizer import file_digest, padded_vocab
+from jaxtrain.data.tokenizer import Tokenizer, file_digest, load_tokenizer, padded_vocab
 from jaxtrain.errors import UserInputError
 
 if TYPE_CHECKING:
@@ -158,6 +158,17 @@ class SplitTokens:
 def open_split(directory: Path, split: str) -> tuple[dict, SplitTokens]:
     """The manifest of `directory`, its tokenizer checked, and its split `split`."""
     manifest = read_manifest(directory)
+    checked_tokenizer(directory, manifest)
+    return manifest, SplitTokens(directory, manifest, split)
+
+
+def tokenizer_of(directory: Path) -> Tokenizer:
+    """The tokenizer tokenized directory `directory` was made with (its checked copy), e.g. to encode prompts."""
+    return load_tokenizer(checked_tokenizer(directory, read_manifest(directory)))
+
+
+def checked_tokenizer(directory: Path, manifest: dict) -> Path:
+    """The path of the tokenizer copy in `directory`, once checked against the manifest's SHA-256."""
     tokenizer = directory / manifest["tokenizer"]["file"]
     fix = "rerun jaxtrain tokenize with the tokenizer you mean to train with, into a new directory"
     if not tokenizer.is_file():
@@ -168,7 +179,7 @@ def open_split(directory: Path, split: str) -> tuple[dict, SplitTokens]:
             f"{manifest['tokenizer']['sha256'][:12]}...: the tokens would be read with another vocabulary. Put the "
             f"original tokenizer back, or {fix}."
         )
-    return manifest, SplitTokens(directory, manifest, split)
+    return tokenizer
 
 
 @dataclasses.dataclass

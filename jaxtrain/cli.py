@@ -512,11 +512,19 @@ def tokenize_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--tokenizer", required=True, help="a tokenizer.json, an HF model directory, or a .model")
     parser.add_argument("--out", required=True, help="the directory to write (new, or an interrupted one's)")
-    parser.add_argument("--val-fraction", type=flag_type(float, at_least=0, below=1), default=0.01,
-                        help="the part of the documents held out for validation (0.01)")  # fmt: skip
+    parser.add_argument(
+        "--val-fraction",
+        type=flag_type(float, above=0, below=1),
+        default=0.01,
+        help="the part of the documents held out for validation (0.01)",
+    )
     parser.add_argument("--workers", type=flag_type(at_least=1), default=1, help="worker processes (1)")
-    parser.add_argument("--documents", choices=DOCUMENTS, default="file",
-                        help="in a text file, a document is the whole file or each blank-line paragraph")  # fmt: skip
+    parser.add_argument(
+        "--documents",
+        choices=DOCUMENTS,
+        default="file",
+        help="in a text file, a document is the whole file or each blank-line paragraph",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text/JSON-lines/Parquet files or folders")
     _debug_flag(parser)

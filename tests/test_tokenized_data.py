@@ -80,6 +80,25 @@ def test_a_byte_level_bpe_trains_here_and_round_trips(corpus, tmp_path):
     assert load_tokenizer(tmp_path / "t.json").vocab_size == 300
 
 
+def test_a_sentencepiece_model_tokenizes_too(corpus, tmp_path):
+    spm = pytest.importorskip("sentencepiece", reason="the sentencepiece extra is not installed")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus["root"] / "texts" / "00.txt"),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=300,
+        model_type="bpe",
+        minloglevel=2,
+    )
+    tokenizer = load_tokenizer(tmp_path / "sp.model")
+    assert tokenizer.vocab_size == 300 and tokenizer.eot_id == 2  # sentencepiece's </s>
+    assert tokenizer.decode(tokenizer.encode("def f(x): return x")) == "def f(x): return x"
+    manifest = tokenize(
+        tmp_path / "sp.model", [corpus["root"] / "texts"], tmp_path / "shards", val_fraction=0.2, progress=False
+    )
+    assert manifest["tokenizer"]["file"] == "tokenizer.model" and manifest["dtype"] == "uint16"
+    assert make_dataset(f"tokens:{tmp_path / 'shards'}", "lm", seq_len=16, seed=0, vocab_size=384).vocab_size == 300
+
+
 def test_shards_hold_every_document_with_its_boundaries(corpus):
     manifest, tokenizer = corpus["manifest"], corpus["tokenizer"]
     assert manifest["dtype"] == "uint16" and shard_dtype(70_000) == "uint32"

@@ -609,7 +609,7 @@ def tokenize_rate(tokenizer: Path, inputs: list[Path], out: Path, workers: int) 
     from jaxtrain.data.shards import tokenize
 
     start = time.perf_counter()
-    manifest = tokenize(tokenizer, inputs, out, workers=workers, progress=False)
+    manifest = tokenize(tokenizer, inputs, out, val_fraction=0.05, workers=workers, progress=False)
     seconds = time.perf_counter() - start
     text = sum(split["text_bytes"] for split in manifest["splits"].values())
     return {
@@ -656,20 +656,21 @@ def bench_data(args, peak) -> dict:
     segments packing) vs synthetic tokens, each step on a fresh batch, alternated."""
     from jaxtrain.data.tokenizer import train_bpe
 
-    root = Path(tempfile.mkdtemp(prefix="jaxtrain-data-bench-"))
-    (root / "text").mkdir()
-    inputs = data_corpus(root / "text", args.data_mb)
-    train_bpe(inputs[:50], DATA_VOCAB, root / "tok.json")
-    rates = {f"workers_{w}": tokenize_rate(root / "tok.json", inputs, root / f"shards{w}", w) for w in (1, 2)}
-    shape = [*SHAPE, f"vocab_size={DATA_VOCAB}", f"mesh={args.mesh}"]
-    tokens = [f"data.source=tokens:{root / 'shards1'}"]
-    runs = {
-        "synthetic": make(args.mesh, [*shape]),
-        "tokens_concat": make(args.mesh, [*shape, *tokens]),
-        "tokens_segments": make(args.mesh, [*shape, *tokens, "data.packing=segments"]),
-    }
-    steps = interleaved({name: fresh_batch_stepper(run) for name, run in runs.items()}, args.rounds, args.steps)
-    loaders = interleaved({name: loader_timer(run) for name, run in runs.items()}, args.rounds, args.steps)
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-data-bench-") as work:
+        root = Path(work)
+        (root / "text").mkdir()
+        inputs = data_corpus(root / "text", args.data_mb)
+        train_bpe(inputs[:50], DATA_VOCAB, root / "tok.json")
+        rates = {f"workers_{w}": tokenize_rate(root / "tok.json", inputs, root / f"shards{w}", w) for w in (1, 2)}
+        shape = [*SHAPE, f"vocab_size={DATA_VOCAB}", f"mesh={args.mesh}"]
+        tokens = [f"data.source=tokens:{root / 'shards1'}"]
+        runs = {
+            "synthetic": make(args.mesh, [*shape]),
+            "tokens_concat": make(args.mesh, [*shape, *tokens]),
+            "tokens_segments": make(args.mesh, [*shape, *tokens, "data.packing=segments"]),
+        }
+        steps = interleaved({name: fresh_batch_stepper(run) for name, run in runs.items()}, args.rounds, args.steps)
+        loaders = interleaved({name: loader_timer(run) for name, run in runs.items()}, args.rounds, args.steps)
     return {
         "tokenizer": {
             **rates,

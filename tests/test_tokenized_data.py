@@ -235,6 +235,8 @@ def test_a_mixture_draws_by_weight_and_reports_tokens_per_source(corpus, digits_
         for row, tokens in enumerate(batch):
             text = tokenizer.decode(tokens.tolist()).replace("<|endoftext|>", "")
             assert text.replace(" ", "").isdigit() == (data.source_of(step * 16 + row) == 1), text
+    run = make_run("data=8", ["data.source=tokens", f"data.mixture={mixture}"], "llama-tiny")  # what the loop logs
+    assert sum(run.data_metrics(3).values()) == 3 * 8 * 32 and set(run.data_metrics(3)) == set(data.metrics(3, 8))
     counts = data.metrics(100, 16)
     assert counts == {
         "tokens_shards": 32.0 * (sources[:1600] == 0).sum(),

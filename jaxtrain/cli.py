@@ -12,6 +12,8 @@ jaxtrain meshes                        # the shipped mesh layouts
 jaxtrain inspect runs/x/ckpt           # a checkpoint's steps, arrays, shapes, dtypes and sizes, from metadata alone
 jaxtrain export runs/x/ckpt/400 runs/x-params-400   # the params alone, for evaluation or fine-tuning on any mesh
 jaxtrain generate --restore runs/x/ckpt --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95
+jaxtrain tokenizer train --vocab-size 4096 --out tok.json corpus/*.txt   # a byte-level BPE, trained here
+jaxtrain tokenize --tokenizer tok.json --out shards --workers 2 corpus/   # token shards: --data tokens:shards
 
 Exit status: 0 done; 2 bad input (a one-line error saying what to change, as argparse's own); 74 a checkpoint could
 not be written (fix the storage and rerun: it resumes); 128 + N stopped by signal N after saving (143 SIGTERM, 130
@@ -98,7 +100,7 @@ CONFIG_FLAGS = (
     ("--steps", "train.steps", {"type": int}),
     ("--batch-size", "data.batch_size", {"type": int, "help": "global batch size, across all devices"}),
     ("--seq-len", "data.seq_len", {"type": int}),
-    ("--data", "data.source", {"help": "builtin | synthetic | digits | clicks | path/to/text.txt"}),
+    ("--data", "data.source", {"help": "builtin | synthetic | digits | clicks | tokens:DIR | path/to/text.txt"}),
     ("--seed", "train.seed", {"type": int}),
     ("--metrics-file", "train.metrics_file", {"help": "append one JSON object per logged step to this file"}),
     (
@@ -475,6 +477,77 @@ def generate_main(argv: Sequence[str]) -> int:
     return 0
 
 
+@command
+def tokenizer_main(argv: Sequence[str]) -> int:
+    """`jaxtrain tokenizer train`: a byte-level BPE trained on local text files, saved as a tokenizer.json."""
+    parser = argparse.ArgumentParser(
+        prog="jaxtrain tokenizer",
+        description="Train a byte-level BPE tokenizer (GPT-2's scheme, with <|endoftext|>) on local text files.",
+    )
+    parser.add_argument("action", choices=["train"])
+    parser.add_argument("--vocab-size", type=flag_type(at_least=1), required=True, help="tokens, bytes included")
+    parser.add_argument("--out", required=True, help="the tokenizer.json to write")
+    parser.add_argument("files", nargs="+", metavar="FILE", help="text files to learn the merges from")
+    _debug_flag(parser)
+    args = parser.parse_args(argv)
+    from jaxtrain.data.tokenizer import padded_vocab, train_bpe
+
+    tokenizer = train_bpe(args.files, args.vocab_size, args.out)
+    print(
+        f"wrote {args.out}: {tokenizer.vocab_size} tokens (a model's vocab_size: {padded_vocab(tokenizer.vocab_size)})"
+    )
+    return 0
+
+
+@command
+def tokenize_main(argv: Sequence[str]) -> int:
+    """`jaxtrain tokenize`: text, JSON-lines or Parquet files into token shards for `data.source=tokens`."""
+    from jaxtrain.data.shards import DOCUMENTS
+
+    parser = argparse.ArgumentParser(
+        prog="jaxtrain tokenize",
+        description="Tokenize text files, folders of them, and JSON-lines or Parquet files with a 'text' field into "
+        "shards of token ids with document boundaries and a manifest; train on them with --data tokens:OUT. "
+        "Rerun the same command after an interruption to finish.",
+    )
+    parser.add_argument("--tokenizer", required=True, help="a tokenizer.json, an HF model directory, or a .model")
+    parser.add_argument("--out", required=True, help="the directory to write (new, or an interrupted one's)")
+    parser.add_argument(
+        "--val-fraction",
+        type=flag_type(float, above=0, below=1),
+        default=0.01,
+        help="the part of the documents held out for validation (0.01)",
+    )
+    parser.add_argument("--workers", type=flag_type(at_least=1), default=1, help="worker processes (1)")
+    parser.add_argument(
+        "--documents",
+        choices=DOCUMENTS,
+        default="file",
+        help="in a text file, a document is the whole file or each blank-line paragraph",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text/JSON-lines/Parquet files or folders")
+    _debug_flag(parser)
+    args = parser.parse_args(argv)
+    from jaxtrain.data.shards import tokenize
+
+    manifest = tokenize(
+        args.tokenizer,
+        args.inputs,
+        args.out,
+        val_fraction=args.val_fraction,
+        workers=args.workers,
+        documents=args.documents,
+        progress=not args.no_progress,
+    )
+    for split, counts in manifest["splits"].items():
+        print(
+            f"{split}: {counts['tokens']:,} tokens, {counts['documents']:,} documents, {len(counts['shards'])} shards"
+        )
+    print(f"train on it: jaxtrain train --data tokens:{args.out}")
+    return 0
+
+
 def _generate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxtrain generate",
@@ -548,6 +621,8 @@ COMMANDS = {
     "inspect": inspect_main,
     "export": export_main,
     "generate": generate_main,
+    "tokenizer": tokenizer_main,
+    "tokenize": tokenize_main,
 }
 
 

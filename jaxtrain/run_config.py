@@ -41,6 +41,8 @@ from typing import Any, ClassVar
 import tomli_w
 
 from jaxtrain.data.datasets import PARTITIONS
+from jaxtrain.data.packing import PACKINGS
+from jaxtrain.data.tokens import token_vocab
 from jaxtrain.errors import ConfigError, UserInputError
 from jaxtrain.files import read_bytes, utf8_text
 from jaxtrain.parallel.grad_sync import ALGORITHMS, COMPRESSIONS
@@ -120,11 +122,18 @@ class OptimizerConfig(Settings):
 @dataclasses.dataclass(frozen=True)
 class DataConfig(Settings):
     """`source`: builtin (text shipped with Python) | synthetic (random data of the model's shapes) | digits (CSV) |
-    clicks (synthetic click logs, for recommenders) | a text file path."""
+    clicks (synthetic click logs, for recommenders) | tokens (shards of `jaxtrain tokenize`: `path`, or a
+    `mixture`; `tokens:DIR` for short) | a text file path."""
 
     section: ClassVar[str] = "data"
 
-    source: str = setting("builtin", "builtin, synthetic, digits, clicks, or a text or digits-CSV file path")
+    source: str = setting("builtin", "builtin, synthetic, digits, clicks, tokens[:DIR], or a text or digits-CSV path")
+    path: str = setting("", "data.source=tokens: the directory jaxtrain tokenize wrote")
+    # Tokenized data (jaxtrain.data.packing): concat joins documents by their end-of-text token; segments packs
+    # whole documents into rows with segment ids, so attention and the loss stay inside each document.
+    packing: str = setting("concat", "data.source=tokens: how documents fill rows", choices=PACKINGS)
+    mixture: str = setting("", "data.source=tokens: DIR_A:0.7,DIR_B:0.3, deterministic by weight; empty: data.path")
+    prefetch: int = setting(2, "data.source=tokens: training steps read ahead on a background thread", at_least=0)
     batch_size: int = setting(32, "global, across all devices and processes", at_least=1)
     seq_len: int = setting(128, "tokens per example", at_least=1)
     val_fraction: float = setting(0.1, "the part of a text source held out for validation", above=0, below=1)
@@ -362,7 +371,19 @@ def _apply(cfg: RunConfig, changes: Changes) -> RunConfig:
             section, name = key.split(".", 1)
             sections[section][name] = value
     parts = {section: _replace(getattr(cfg, section), given) for section, given in sections.items() if given}
-    return dataclasses.replace(cfg, **top, **parts)
+    cfg = dataclasses.replace(cfg, **top, **parts)
+    return cfg if "vocab_size" in sections["model"] else _vocab_of_data(cfg)
+
+
+def _vocab_of_data(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the model's vocab_size set by its tokenized data (the tokenizer's, padded to a multiple of 128)
+    where the model has the preset's; a vocab_size set on purpose is kept (the dataset checks that it is enough)."""
+    d = cfg.data
+    vocab = token_vocab(d.source, d.path, d.mixture)
+    preset = getattr(default_config(cfg.model_name).model, "vocab_size", None)
+    if vocab is None or preset is None or cfg.model.vocab_size != preset:
+        return cfg
+    return dataclasses.replace(cfg, model=_replace(cfg.model, {"vocab_size": vocab}))
 
 
 def _replace(part: Any, changes: dict[str, Any]) -> Any:

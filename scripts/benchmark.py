@@ -16,6 +16,8 @@ Sections:
   maxtext    our GPT and Llama paths vs MaxText 0.2.5's decoder on the same shape and mesh, alternated
              (scripts/maxtext_baseline.sh)
   attention  each attention implementation's forward + backward time per sequence length, and what `auto` picks
+  data       tokenizer MB/s with 1 and 2 workers; the token-shard loader alone vs the train step; steps on real
+             shards vs synthetic tokens (target: within 3%, the loader never the bottleneck)
 """
 
 from __future__ import annotations
@@ -579,6 +581,110 @@ def bench_attention(args, peak) -> dict:
     return out
 
 
+# data: the benchmark GPT's shape with a 4,096-token BPE (vocab_size 4096 for synthetic data too: the same program).
+DATA_VOCAB = 4096
+
+
+def data_corpus(root: Path, megabytes: float) -> list[Path]:
+    """About `megabytes` of Python's standard library (every module, subpackages too) as text files to tokenize."""
+    import sysconfig
+
+    files, size = [], 0
+    for i, path in enumerate(sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))):
+        if size >= megabytes * 2**20:
+            break
+        text = path.read_bytes()
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError:  # a few test modules are in other encodings on purpose
+            continue
+        (root / f"{i:05d}.txt").write_bytes(text)
+        files.append(root / f"{i:05d}.txt")
+        size += len(text)
+    return files
+
+
+def tokenize_rate(tokenizer: Path, inputs: list[Path], out: Path, workers: int) -> dict:
+    """MB/s of `jaxtrain tokenize` (text in, shards and manifest out) with `workers` worker processes."""
+    from jaxtrain.data.shards import tokenize
+
+    start = time.perf_counter()
+    manifest = tokenize(tokenizer, inputs, out, val_fraction=0.05, workers=workers, progress=False)
+    seconds = time.perf_counter() - start
+    text = sum(split["text_bytes"] for split in manifest["splits"].values())
+    return {
+        "seconds": round(seconds, 2),
+        "text_mb": round(text / 2**20, 2),
+        "mb_per_sec": round(text / 2**20 / seconds, 2),
+    }
+
+
+def fresh_batch_stepper(run):
+    """Seconds per step of `run`, each step on its own batch built by the loader, as the training loop does."""
+    state, at = {"state": run.plan.init_state(run.optimizer, 0)}, {"step": 0}
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        batch = run.batch("train", at["step"])
+        for _ in range(n):
+            state["state"], metrics = run.train_step(state["state"], batch)
+            at["step"] += 1
+            batch = run.batch("train", at["step"])  # built on the host while the device computes
+        jax.block_until_ready(metrics)
+        return (time.perf_counter() - start) / n
+
+    timed(2)
+    return timed
+
+
+def loader_timer(run):
+    """Seconds per global batch of the loader alone: this process's rows read and put on the devices."""
+    at = {"step": 10_000}
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            at["step"] += 1
+            jax.block_until_ready(run.batch("train", at["step"]))
+        return (time.perf_counter() - start) / n
+
+    return timed
+
+
+def bench_data(args, peak) -> dict:
+    """Tokenizer MB/s with 1 and 2 workers; the loader alone vs the train step; steps on real shards (concat and
+    segments packing) vs synthetic tokens, each step on a fresh batch, alternated."""
+    from jaxtrain.data.tokenizer import train_bpe
+
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-data-bench-") as work:
+        root = Path(work)
+        (root / "text").mkdir()
+        inputs = data_corpus(root / "text", args.data_mb)
+        train_bpe(inputs[:50], DATA_VOCAB, root / "tok.json")
+        rates = {f"workers_{w}": tokenize_rate(root / "tok.json", inputs, root / f"shards{w}", w) for w in (1, 2)}
+        shape = [*SHAPE, f"vocab_size={DATA_VOCAB}", f"mesh={args.mesh}"]
+        tokens = [f"data.source=tokens:{root / 'shards1'}"]
+        runs = {
+            "synthetic": make(args.mesh, [*shape]),
+            "tokens_concat": make(args.mesh, [*shape, *tokens]),
+            "tokens_segments": make(args.mesh, [*shape, *tokens, "data.packing=segments"]),
+        }
+        steps = interleaved({name: fresh_batch_stepper(run) for name, run in runs.items()}, args.rounds, args.steps)
+        loaders = interleaved({name: loader_timer(run) for name, run in runs.items()}, args.rounds, args.steps)
+    return {
+        "tokenizer": {
+            **rates,
+            "speedup_2_workers": round(rates["workers_2"]["mb_per_sec"] / rates["workers_1"]["mb_per_sec"], 2),
+        },
+        "mesh": args.mesh,
+        "step_time_s": {name: round(t, 4) for name, t in steps.items()},
+        "loader_s_per_batch": {name: round(t, 5) for name, t in loaders.items()},
+        "concat_vs_synthetic": round(steps["tokens_concat"] / steps["synthetic"], 3),
+        "loader_over_step": {name: round(loaders[name] / steps[name], 4) for name in runs},
+        "note": f"{os.cpu_count()} cores shared by the simulated devices, the tokenizer workers and the loader",
+    }
+
+
 SECTIONS = {
     "meshes": bench_meshes,
     "variants": bench_variants,
@@ -589,6 +695,7 @@ SECTIONS = {
     "maxtext": bench_maxtext,
     "attention": bench_attention,
     "gradsync": bench_gradsync,
+    "data": bench_data,
 }
 
 
@@ -606,6 +713,7 @@ def main() -> None:
     )
     parser.add_argument("--sync-sizes", default="1,4,16,64", help="gradsync section: gradient sizes in MB")
     parser.add_argument("--attention-seqs", default="128,256,512,1024,2048,4096", help="attention section")
+    parser.add_argument("--data-mb", type=float, default=8, help="data section: MB of text to tokenize")
     parser.add_argument("--maxtext-rounds", type=int, default=3)
     parser.add_argument("--maxtext-steps", type=int, default=40)
     parser.add_argument("--maxtext-models", default="gpt,llama", help=f"of {', '.join(MAXTEXT_MODELS)}")

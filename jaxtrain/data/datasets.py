@@ -15,6 +15,7 @@ recommenders: `jaxtrain.data.clicks`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import math
@@ -28,6 +29,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain.data.clicks import Clicks
+from jaxtrain.data.tokenizer import padded_vocab
+from jaxtrain.data.tokens import TokenData, token_sources
 from jaxtrain.errors import UserInputError
 from jaxtrain.files import read_bytes, utf8_text
 
@@ -394,6 +397,16 @@ def builtin_text() -> bytes:
     return b"\n".join(chunks)[:BUILTIN_TEXT_BYTES]
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenOptions:
+    """Where tokenized data is and how it is read (the `data.*` keys of the same names)."""
+
+    path: str = ""
+    mixture: str = ""
+    packing: str = "concat"
+    prefetch: int = 0
+
+
 def model_data_args(model_cfg: object) -> dict[str, int]:
     """What `make_dataset` needs to know of a model's inputs (the config fields a model has, else defaults)."""
     return {
@@ -415,17 +428,22 @@ def make_dataset(
     val_fraction: float = 0.1,
     partition: str = "uniform",
     replicas: int = 1,
+    tokens: TokenOptions | None = None,
 ) -> Dataset:
     """The dataset named by `source` for a model of kind `task` ("lm", "classification" or "clicks").
 
     `synthetic` is random data of the model's shapes: `vocab_size` tokens of `seq_len`, or `features` inputs and
     `classes` labels. `partition` (one of PARTITIONS) splits labelled training data over `replicas` replicas, see
-    `Digits`.
+    `Digits`. `tokens` says where tokenized data is and how to read it (`source` tokens, or tokens:DIR).
     """
     check_partition(partition, replicas)
-    if source == "digits" or source.endswith((".csv", ".csv.gz")):
+    tokens = tokens or TokenOptions()
+    token_dirs = token_sources(source, tokens.path, tokens.mixture)
+    if token_dirs is not None:
+        dataset: Dataset = _token_data(token_dirs, seq_len, seed, tokens, vocab_size)
+    elif source == "digits" or source.endswith((".csv", ".csv.gz")):
         path = named_data_file("digits.csv.gz") if source == "digits" else Path(source)
-        dataset: Dataset = Digits(path, seed, partition=partition, replicas=replicas)
+        dataset = Digits(path, seed, partition=partition, replicas=replicas)
     elif source == "synthetic" and task == "classification":
         dataset = SyntheticFeatures(features, classes, seed)
     elif source == "synthetic" and task == "lm":
@@ -451,6 +469,20 @@ def make_dataset(
         )
     if task == "lm" and vocab_size < 256 and isinstance(dataset, TokenWindows):
         raise DataError(f"byte-level text needs vocab_size >= 256, the model has {vocab_size}.")
+    return dataset
+
+
+def _token_data(
+    directories: list[tuple[Path, float]], seq_len: int, seed: int, tokens: TokenOptions, vocab_size: int
+) -> TokenData:
+    """Tokenized data, for a model of `vocab_size` tokens: enough for every id of its tokenizer."""
+    dataset = TokenData(directories, seq_len, seed, tokens.packing, tokens.prefetch)
+    if dataset.vocab_size > vocab_size:
+        raise DataError(
+            f"the tokenizer of {', '.join(dataset.names)} has {dataset.vocab_size} tokens, but the model's "
+            f"vocab_size is {vocab_size}: drop the vocab_size override (it then comes from the tokenizer, "
+            f"padded to {padded_vocab(dataset.vocab_size)}) or set vocab_size >= {dataset.vocab_size}."
+        )
     return dataset
 
 

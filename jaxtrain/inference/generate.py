@@ -32,6 +32,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jaxtrain.data.tokenizer import Tokenizer
+from jaxtrain.data.tokens import token_sources, tokenizer_of
 from jaxtrain.errors import UserInputError
 from jaxtrain.inference.sampling import Sampling, sample
 from jaxtrain.registry import resolve_model
@@ -76,8 +78,12 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def tokenizer_for(cfg: RunConfig) -> ByteTokenizer:
-    """The tokenizer the model of `cfg` trained with; an error for data that has no text (synthetic tokens)."""
+def tokenizer_for(cfg: RunConfig) -> ByteTokenizer | Tokenizer:
+    """The tokenizer the model of `cfg` trained with (bytes, or tokenized data's own); an error for data that has no
+    text (synthetic tokens)."""
+    directories = token_sources(cfg.data.source, cfg.data.path, cfg.data.mixture)
+    if directories:  # a mixture's sources share one tokenizer
+        return tokenizer_of(directories[0][0])
     if cfg.data.source == "synthetic":
         raise GenerationError(
             f"model {cfg.model_name} was trained on data.source=synthetic (random token ids), which has no text to "
@@ -161,7 +167,7 @@ class Generator:
         return cls(plan, params, run.cfg)
 
     @property
-    def tokenizer(self) -> ByteTokenizer:
+    def tokenizer(self) -> ByteTokenizer | Tokenizer:
         if self.cfg is None:
             raise GenerationError("this generator was built without the model's run config: give token ids.")
         return tokenizer_for(self.cfg)

@@ -172,7 +172,7 @@ def _loop(
             recorder.start(progress.step)
             recorder.sink.rewind(progress.step)
             continue  # if preempted too, stop: the checkpoint just restored is on disk, and a rerun resumes there
-        extra = {"nonfinite_total": progress.nonfinite_total}
+        extra = {"nonfinite_total": progress.nonfinite_total, **run.data_metrics(done + progress.data_offset)}
         if done % t.eval_every == 0 or done == steps:
             # Now, before the next step donates the params.
             recorder.record(done, metrics, extra, functools.partial(evaluate, run, state["params"]))

@@ -32,6 +32,7 @@ FREE_KEYS = frozenset(
     {
         "mesh",
         "model.remat",
+        "data.prefetch",
         *(
             f"train.{name}"
             for name in (

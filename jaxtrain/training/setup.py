@@ -19,7 +19,14 @@ from jax.sharding import Mesh
 
 from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.analysis.memory import memory_report
-from jaxtrain.data.datasets import Dataset, check_dataset, global_batch, make_dataset, model_data_args
+from jaxtrain.data.datasets import (
+    Dataset,
+    TokenOptions,
+    check_dataset,
+    global_batch,
+    make_dataset,
+    model_data_args,
+)
 from jaxtrain.formatting import fmt_bytes
 from jaxtrain.parallel.grad_sync import GradientSync
 from jaxtrain.parallel.pipeline import Pipeline, make_pipeline, stacked_layer_count
@@ -62,6 +69,11 @@ class Setup:
             return train_flops(self.cfg.data.batch_size, self.tokens_per_step // self.cfg.data.batch_size)
         cost = self.train_step.cost_analysis() or {}
         return float(cost.get("flops", 0.0)) * self.plan.mesh.size
+
+    def data_metrics(self, step: int) -> dict[str, float]:
+        """What the dataset reports of training steps [0, step) (a mixture: tokens drawn per source), if anything."""
+        metrics = getattr(self.dataset, "metrics", None)
+        return metrics(step, self.cfg.data.batch_size) if metrics else {}
 
     def batch(self, split: str, step: int) -> dict[str, jax.Array]:
         return global_batch(self.dataset, split, step, self.cfg.data.batch_size, self._batch_shardings)
@@ -246,6 +258,7 @@ def _dataset(cfg: RunConfig, task: str, mesh: Mesh, given: Dataset | None) -> Da
         val_fraction=cfg.data.val_fraction,
         partition=cfg.data.partition,
         replicas=mesh.shape["replica"],
+        tokens=TokenOptions(cfg.data.path, cfg.data.mixture, cfg.data.packing, cfg.data.prefetch),
     )
 
 

@@ -1,8 +1,8 @@
 """The notebooks run top to bottom on a fresh kernel, what they show holds, and their figures are the ones committed
 with them. notebooks/quickstart.ipynb: the same losses on both meshes, the bytes each device holds and sends, a
 checkpoint restored onto the other mesh, re-running cells is safe. notebooks/bring_your_own.ipynb: a model defined
-and registered in the notebook trains on token ids in memory with its one-device losses, generates text, and plans
-onto a TPU pod through the TPU compiler."""
+and registered in the notebook trains on token ids in memory with its one-device losses, generates text, trains on a
+corpus it tokenized with a BPE it trained, and plans onto a TPU pod through the TPU compiler."""
 
 import ast
 import base64
@@ -145,9 +145,15 @@ def test_bring_your_own_model_and_data(kernel_env):
         assert_same_figures(nb, committed, at_least=1)
 
         generated = stdout(tagged(nb, "generate")[1])
-        assert len(re.findall(r"^   '(def|import|    return) ", generated, flags=re.M)) == 6  # 3 prompts, 2 ways
+        assert len(re.findall(r"^   ['\"](def|import|    return) ", generated, flags=re.M)) == 6  # 3 prompts, 2 ways
         client.execute_cell(*reversed(tagged(nb, "generate")))  # the same seed and prompts: the same text
         assert stdout(tagged(nb, "generate")[1]) == generated
+
+        corpus = stdout(tagged(nb, "corpus")[1])
+        assert "vocab_size from the tokenizer: 1024" in corpus  # a BPE of 1,024 tokens trained in the notebook
+        per_byte = float(re.search(r"= ([\d.]+) nats per byte", corpus).group(1))
+        assert per_byte < 2.0  # it learned from the shards (uniform over 1,024 tokens would be ~2.4 per byte)
+        assert len(re.findall(r"^   ['\"](def|import|    return) ", corpus, flags=re.M)) == 3  # decoded with the BPE
 
         plan = stdout(tagged(nb, "tpu-plan")[1])
         assert "mesh 'tpu-v5p-128' (fsdp=16 tensor=4; 64 x v5p)" in plan

@@ -45,13 +45,19 @@ def export_hf(
 ) -> Path:
     """Write the decoder in checkpoint `path` (a run directory: its newest step; a step; a params export) as a
     Hugging Face model directory `out_dir` (which must not exist), its weights in `dtype`."""
+    _check_dtype(dtype)
     step_dir, meta = find_checkpoint(path)
     cfg = trained_config(step_dir, meta)
     if cfg.model_name.split("-")[0] not in ("gpt", "llama"):
         raise HFExportError(
             f"{step_dir} holds model {cfg.model_name}: only decoders (gpt, llama) export to Hugging Face."
         )
-    params, _ = restore_params(step_dir, params_plan(cfg, mesh, devices).abstract_state["params"])
+    # Restored in the dtype written: a bfloat16 export of a float32 checkpoint holds half the bytes on the devices.
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(dtype), sharding=x.sharding),
+        params_plan(cfg, mesh, devices).abstract_state["params"],
+    )
+    params, _ = restore_params(step_dir, abstract)
     carried = step_dir / CARRIED
     return write_hf(params, cfg.model, out_dir, dtype=dtype, max_file_bytes=max_file_bytes, carried=carried)
 
@@ -70,8 +76,7 @@ def write_hf(
     out_dir = Path(out_dir).absolute()
     if out_dir.exists():
         raise HFExportError(f"{out_dir} already exists: an export never overwrites. Give a new directory.")
-    if dtype not in PARAM_DTYPES:
-        raise HFExportError(f"dtype {dtype!r}: give float32 or bfloat16.")
+    _check_dtype(dtype)
     carried = carried if carried is not None and carried.is_dir() else None
     imported = json.loads((carried / "config.json").read_text()) if carried else None
     arch = architecture_for(model, imported)
@@ -93,6 +98,11 @@ def write_hf(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out_dir
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in PARAM_DTYPES:
+        raise HFExportError(f"dtype {dtype!r}: give float32 or bfloat16.")
 
 
 def _pending(tensor, params: PyTree, layer: int | None, dtype: np.dtype) -> Pending:

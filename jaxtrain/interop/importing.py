@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import tomli_w
+from jax.experimental import multihost_utils
 
 from jaxtrain.errors import UserInputError
 from jaxtrain.interop.architectures import Architecture, Tensor, architecture, model_settings
@@ -168,8 +168,18 @@ def import_hf(
         lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(cfg.model.dtype), sharding=x.sharding),
         plan.abstract_state["params"],
     )
-    params = source.read_params(cfg.model, abstract)
-    partial = out_dir.with_name(f".{out_dir.name}.importing-{os.getpid()}")
+    _save(source.read_params(cfg.model, abstract), cfg, source, out_dir)
+    return out_dir
+
+
+def _save(params: PyTree, cfg: RunConfig, source: HFCheckpoint, out_dir: Path) -> None:
+    """Write the params export: Orbax's items as `jaxtrain export` writes them, config.toml, the carried files."""
+    # One name for every process of a job: each writes its shards into the same directory.
+    partial = out_dir.with_name(f".{out_dir.name}.importing")
+    if partial.exists():
+        raise HFImportError(f"{partial} exists: an interrupted import left it. Remove it and import again.")
+    if jax.process_count() > 1:  # every process has looked before any writes
+        multihost_utils.sync_global_devices("jaxtrain import-hf: output checked")
     meta = {"kind": "params", "step": 0, "config": config_json(cfg), "imported_from": str(source.directory)}
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(
@@ -180,7 +190,6 @@ def import_hf(
         carry_files(source.directory, partial / CARRIED)
         (partial / "config.toml").write_text(tomli_w.dumps(config_table(cfg)))
         partial.rename(out_dir)
-    return out_dir
 
 
 def carry_files(source: Path, target: Path, skip: tuple[str, ...] = ()) -> None:

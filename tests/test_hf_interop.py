@@ -302,3 +302,42 @@ def test_fine_tuning_an_import_lowers_the_loss_and_exports(hf_dir, tmp_path):
     params = jax.device_get(summary["run"].plan.params_in_model_order(summary["state"]["params"]))
     ours = nnx.merge(summary["run"].plan.model.graphdef, params)(TOKENS)
     assert_logits_close(ours, hf_logits(back, TOKENS))
+
+
+BASE_CONFIG = {
+    "vocab_size": 256,
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def test_config_translation_reads_both_rope_formats_and_a_null_window():
+    from jaxtrain.interop.architectures import MISTRAL, model_settings
+
+    factors = {k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")}
+    old_style = {**BASE_CONFIG, "rope_theta": 1e6, "rope_scaling": {"type": "llama3", **factors}}  # transformers 4
+    settings = model_settings(MISTRAL, {**old_style, "sliding_window": None}, "config.json")
+    assert settings["rope_base"] == 1e6 and settings["rope_scaling"] == "llama3" and settings["rope_factor"] == 8.0
+    assert settings["sliding_window"] == 0 and settings["n_kv_heads"] == 4 and settings["head_dim"] == 16
+
+
+@pytest.mark.parametrize(
+    "arch,change,message",
+    [
+        ("LLAMA", {"attention_bias": True}, "attention_bias=true"),
+        ("LLAMA", {"mlp_bias": True}, "mlp_bias=true"),
+        ("LLAMA", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("QWEN2", {"use_sliding_window": True, "layer_types": ["sliding_attention"] * 2}, "some layers only"),
+        ("LLAMA", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
+        ("LLAMA", {"hidden_size": None}, "lacks hidden_size"),
+    ],
+)
+def test_settings_jaxtrain_cannot_express_are_refused_by_name(arch, change, message):
+    from jaxtrain.interop import architectures
+
+    config = {k: v for k, v in {**BASE_CONFIG, **change}.items() if v is not None}
+    with pytest.raises(architectures.ArchitectureError, match=message):
+        architectures.model_settings(getattr(architectures, arch), config, "config.json")

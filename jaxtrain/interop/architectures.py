@@ -146,20 +146,29 @@ def architecture(hf_config: dict[str, Any], source: str) -> Architecture:
     return known[0]
 
 
+# config.json keys that are decoder settings as they stand, both ways: (key, setting).
+SAME_FIELDS = (
+    ("vocab_size", "vocab_size"),
+    ("num_hidden_layers", "n_layers"),
+    ("hidden_size", "d_model"),
+    ("num_attention_heads", "n_heads"),
+    ("intermediate_size", "d_ff"),
+    ("rms_norm_eps", "norm_eps"),
+)
+
+
 def model_settings(arch: Architecture, hf: dict[str, Any], source: str) -> dict[str, Any]:
     """jaxtrain decoder settings (`models.gpt.GPTConfig` fields) equal to Hugging Face config `hf`."""
+    missing = [key for key, _ in SAME_FIELDS if key not in hf]
+    if missing:
+        raise ArchitectureError(f"{source} lacks {', '.join(missing)}: a {arch.name} config.json sets them.")
     _refuse_unsupported(arch, hf, source)
     heads = hf["num_attention_heads"]
     return {
-        "vocab_size": hf["vocab_size"],
-        "n_layers": hf["num_hidden_layers"],
-        "d_model": hf["hidden_size"],
-        "n_heads": heads,
+        **{ours: hf[key] for key, ours in SAME_FIELDS},
         "n_kv_heads": hf.get("num_key_value_heads") or heads,
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "d_ff": hf["intermediate_size"],
         "mlp": "swiglu",
-        "norm_eps": hf["rms_norm_eps"],
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": arch.qkv_bias,
         "qk_norm": arch.qk_norm,
@@ -238,18 +247,13 @@ def hf_config(arch: Architecture, model: Any, dtype: str, imported: dict[str, An
     """config.json for decoder `model` as `arch`, over the config it was imported from (which keeps what jaxtrain
     does not model: token ids, context length)."""
     config = dict(imported or {})
+    config.update({key: getattr(model, ours) for key, ours in SAME_FIELDS})
     config.update(
         architectures=[arch.name],
         model_type=arch.model_type,
-        vocab_size=model.vocab_size,
-        hidden_size=model.d_model,
-        intermediate_size=model.d_ff,
-        num_hidden_layers=model.n_layers,
-        num_attention_heads=model.n_heads,
         num_key_value_heads=model.kv_heads,
         head_dim=model.head_channels,
         hidden_act="silu",
-        rms_norm_eps=model.norm_eps,
         tie_word_embeddings=model.tie_embeddings,
         rope_parameters=_rope_parameters(model),
         dtype=dtype,

@@ -81,7 +81,6 @@ class TensorFiles:
         self.tensors: dict[str, TensorInfo] = {}
         for file in self._files():
             self.tensors.update(read_header(file))
-        self._maps: dict[Path, np.memmap] = {}
 
     def _files(self) -> list[Path]:
         index = self.directory / INDEX_FILE
@@ -112,10 +111,9 @@ class TensorFiles:
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Tensor `name`, rows and columns `index`, copied out of its file (only those pages are read)."""
         info = self.info(name)
-        if info.file not in self._maps:
-            self._maps[info.file] = np.memmap(info.file, np.uint8, mode="r")
         size = math.prod(info.shape) * info.dtype.itemsize
-        data = self._maps[info.file][info.offset : info.offset + size]
+        # A map per read, dropped with it: the file's pages count in the process's RSS while they are mapped.
+        data = np.memmap(info.file, np.uint8, mode="r")[info.offset : info.offset + size]
         if data.size != size:
             raise TensorFileError(f"{info.file} is truncated: tensor {name} ends past the end of the file.")
         return np.array(data.view(info.dtype).reshape(info.shape)[index])

@@ -295,6 +295,7 @@ def test_fine_tuning_an_import_lowers_the_loss_and_exports(hf_dir, tmp_path):
     ]
     summary = train(load_config(out / "config.toml", overrides=overrides), log=lambda *_: None)
     losses = [row["loss"] for row in summary["history"] if "loss" in row]
+    print(f"\nfine-tuning an import, loss every 10 steps: {[round(x, 3) for x in losses]}")
     assert losses[-1] < losses[0] - 0.5, losses
     exported = export_hf(tmp_path / "run", tmp_path / "hf")
     back = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
@@ -341,3 +342,11 @@ def test_settings_jaxtrain_cannot_express_are_refused_by_name(arch, change, mess
     config = {k: v for k, v in {**BASE_CONFIG, **change}.items() if v is not None}
     with pytest.raises(architectures.ArchitectureError, match=message):
         architectures.model_settings(getattr(architectures, arch), config, "config.json")
+
+
+def test_tensors_the_model_has_no_place_for_are_named(hf_dir, tmp_path, capsys):
+    """Qwen2's q/k/v biases under a config that says Llama: refused, not dropped."""
+    edited = edited_copy("qwen2-bias", hf_dir, tmp_path, architectures=["LlamaForCausalLM"], model_type="llama")
+    err = import_error(capsys, edited, tmp_path)
+    assert "holds 6 tensor(s) that LlamaForCausalLM as configured has no place for" in err
+    assert "model.layers.0.self_attn.k_proj.bias" in err

@@ -114,6 +114,6 @@ def _pending(tensor, params: PyTree, layer: int | None, dtype: np.dtype) -> Pend
 
     def produce() -> np.ndarray:
         part = array[layer] if tensor.stacked else array  # one layer's slice, gathered alone
-        return tensor.to_hf(np.asarray(part)).astype(dtype)
+        return tensor.to_hf(np.asarray(part)).astype(dtype, copy=False)
 
     return Pending(tensor.name(layer), tensor.hf_shape(shape), dtype, produce)

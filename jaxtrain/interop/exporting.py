@@ -113,7 +113,25 @@ def _pending(tensor, params: PyTree, layer: int | None, dtype: np.dtype) -> Pend
     shape = array.shape[1:] if tensor.stacked else array.shape
 
     def produce() -> np.ndarray:
-        part = array[layer] if tensor.stacked else array  # one layer's slice, gathered alone
-        return tensor.to_hf(np.asarray(part)).astype(dtype, copy=False)
+        return tensor.to_hf(_gather(array, layer)).astype(dtype, copy=False)
 
     return Pending(tensor.name(layer), tensor.hf_shape(shape), dtype, produce)
+
+
+def _gather(array: jax.Array | np.ndarray, layer: int | None) -> np.ndarray:
+    """`array` (its row `layer` if given) on the host, assembled from the devices' shards: one host copy and no
+    device program (`np.asarray` of a sharded array would gather it on a device first)."""
+    if isinstance(array, np.ndarray):
+        return array if layer is None else array[layer]
+    if not array.is_fully_addressable:
+        raise HFExportError("export-hf runs in one process: this array is spread over several (import runs in many).")
+    out = np.empty(array.shape if layer is None else array.shape[1:], array.dtype)
+    for shard in array.addressable_shards:
+        index, data = shard.index, np.asarray(shard.data)
+        if layer is not None:
+            rows = range(*index[0].indices(array.shape[0]))
+            if layer not in rows:
+                continue
+            index, data = index[1:], data[layer - rows.start]
+        out[index] = data
+    return out

@@ -7,6 +7,7 @@ Agreement is measured as max |ours - theirs| / max |theirs| over all logits (flo
 import copy
 import functools
 import json
+import math
 import os
 
 import jax
@@ -350,3 +351,20 @@ def test_tensors_the_model_has_no_place_for_are_named(hf_dir, tmp_path, capsys):
     err = import_error(capsys, edited, tmp_path)
     assert "holds 6 tensor(s) that LlamaForCausalLM as configured has no place for" in err
     assert "model.layers.0.self_attn.k_proj.bias" in err
+
+
+@pytest.mark.parametrize("module", ["self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"])
+def test_any_slice_of_a_parameter_reads_from_the_rows_it_needs(module):
+    """What each device's read does, on every kind of layout: a slice on every dim (heads, channels, width) of our
+    parameter equals the same slice of the whole tensor converted, and `to_hf` inverts the conversion."""
+    from jaxtrain.interop.architectures import LLAMA
+
+    tensor = next(t for t in LLAMA.tensors if module in t.hf_name)
+    shape = {"q_proj": (8, 4, 6), "o_proj": (4, 6, 8), "down_proj": (10, 8)}[module.split(".")[1]]
+    sizes = tensor.sizes(shape)
+    hf = np.arange(math.prod(shape), dtype=np.float32).reshape(tensor.hf_shape(shape))
+    whole = tensor.from_hf(hf, {c: slice(0, n) for c, n in sizes.items()}, sizes)
+    np.testing.assert_array_equal(tensor.to_hf(whole), hf)
+    index = {c: slice(1, n - 1) for c, n in sizes.items()}
+    part = tensor.from_hf(hf[tensor.hf_index(index, sizes)], index, sizes)
+    np.testing.assert_array_equal(part, whole[tuple(index[c] for c in tensor.dims.split())])

@@ -153,13 +153,16 @@ def test_the_pipelined_loss_of_an_import_equals_transformers(hf_dir):
 
 @pytest.mark.parametrize("variant", ["qwen2-bias", "qwen3-qknorm"])
 def test_import_then_export_loads_in_transformers_with_the_same_logits(variant, hf_dir, tmp_path):
-    """import-hf onto fsdp=2,tensor=2, then export-hf from data=2,fsdp=2,tensor=2 in shards of 100 kB: the same
-    architecture, the same tensors bit for bit, the tokenizer-side files carried."""
+    """`jaxtrain import-hf` onto fsdp=4,tensor=2, then `jaxtrain export-hf` from data=2,fsdp=2,tensor=2 in files
+    of 100 kB: the same architecture, the same tensors bit for bit, the tokenizer-side files carried."""
     model, path = hf_model(variant, hf_dir)
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"model_max_length": 64}, f)
-    imported = import_hf(path, tmp_path / "export", dtype="float32", mesh="fsdp=2,tensor=2", devices=jax.devices()[:4])
-    out = export_hf(imported, tmp_path / "hf", max_file_bytes=100_000, mesh="data=2,fsdp=2,tensor=2")
+    imported, out = tmp_path / "export", tmp_path / "hf"
+    assert main(["import-hf", path, str(imported), "--dtype", "float32", "--mesh", "fsdp=4,tensor=2"]) == 0
+    assert (
+        main(["export-hf", str(imported), str(out), "--mesh", "data=2,fsdp=2,tensor=2", "--max-shard-mb", "0.1"]) == 0
+    )
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "tokenizer_config.json").is_file()
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(back) is type(model)

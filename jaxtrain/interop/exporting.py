@@ -45,7 +45,7 @@ def export_hf(
 ) -> Path:
     """Write the decoder in checkpoint `path` (a run directory: its newest step; a step; a params export) as a
     Hugging Face model directory `out_dir` (which must not exist), its weights in `dtype`."""
-    _check_dtype(dtype)
+    _check_output(out_dir, dtype)
     step_dir, meta = find_checkpoint(path)
     cfg = trained_config(step_dir, meta)
     if cfg.model_name.split("-")[0] not in ("gpt", "llama"):
@@ -73,10 +73,7 @@ def write_hf(
 ) -> Path:
     """Write `params` (model layer order; jax.Arrays on any mesh, or numpy) of decoder `model` (a GPTConfig) as a
     Hugging Face model directory `out_dir`; `carried`: a folder of the source's config.json and tokenizer files."""
-    out_dir = Path(out_dir).absolute()
-    if out_dir.exists():
-        raise HFExportError(f"{out_dir} already exists: an export never overwrites. Give a new directory.")
-    _check_dtype(dtype)
+    out_dir = _check_output(out_dir, dtype)
     carried = carried if carried is not None and carried.is_dir() else None
     imported = json.loads((carried / "config.json").read_text()) if carried else None
     arch = architecture_for(model, imported)
@@ -100,9 +97,14 @@ def write_hf(
     return out_dir
 
 
-def _check_dtype(dtype: str) -> None:
+def _check_output(out_dir: str | Path, dtype: str) -> Path:
+    """`out_dir`, absolute, once it is known not to exist and `dtype` to be one jaxtrain writes."""
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists():
+        raise HFExportError(f"{out_dir} already exists: an export never overwrites. Give a new directory.")
     if dtype not in PARAM_DTYPES:
         raise HFExportError(f"dtype {dtype!r}: give float32 or bfloat16.")
+    return out_dir
 
 
 def _pending(tensor, params: PyTree, layer: int | None, dtype: np.dtype) -> Pending:

@@ -14,6 +14,8 @@ jaxtrain export runs/x/ckpt/400 runs/x-params-400   # the params alone, for eval
 jaxtrain generate --restore runs/x/ckpt --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95
 jaxtrain tokenizer train --vocab-size 4096 --out tok.json corpus/*.txt   # a byte-level BPE, trained here
 jaxtrain tokenize --tokenizer tok.json --out shards --workers 2 corpus/   # token shards: --data tokens:shards
+jaxtrain import-hf Llama-3.2-1B runs/llama-1b   # a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory -> a params export
+jaxtrain export-hf runs/x runs/x-hf             # a decoder checkpoint -> a Hugging Face model directory
 
 Exit status: 0 done; 2 bad input (a one-line error saying what to change, as argparse's own); 74 a checkpoint could
 not be written (fix the storage and rerun: it resumes); 128 + N stopped by signal N after saving (143 SIGTERM, 130
@@ -500,6 +502,26 @@ def tokenizer_main(argv: Sequence[str]) -> int:
 
 
 @command
+def import_hf_main(argv: Sequence[str]) -> int:
+    parser = _interop_parser(
+        "jaxtrain import-hf",
+        "Import a Hugging Face model directory (config.json, safetensors weights, tokenizer files) of "
+        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM as a params export: restorable "
+        "onto any mesh (jaxtrain train --config OUT/config.toml --restore OUT; jaxtrain generate --restore OUT). "
+        "Each device's shard is read alone from the files.",
+        ("directory", "the Hugging Face model directory"),
+        ("out_dir", "where to write the export (must not exist)"),
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="the params' dtype (default: the weights')")
+    args = _interop_args(parser, argv)
+    from jaxtrain.interop.importing import import_hf
+
+    out = import_hf(args.directory, args.out_dir, dtype=args.dtype, mesh=args.mesh)
+    print(f"imported {args.directory} to {out} (see: jaxtrain inspect {out})")
+    return 0
+
+
+@command
 def tokenize_main(argv: Sequence[str]) -> int:
     """`jaxtrain tokenize`: text, JSON-lines or Parquet files into token shards for `data.source=tokens`."""
     from jaxtrain.data.shards import DOCUMENTS
@@ -546,6 +568,52 @@ def tokenize_main(argv: Sequence[str]) -> int:
         )
     print(f"train on it: jaxtrain train --data tokens:{args.out}")
     return 0
+
+
+@command
+def export_hf_main(argv: Sequence[str]) -> int:
+    parser = _interop_parser(
+        "jaxtrain export-hf",
+        "Write a decoder checkpoint as a Hugging Face model directory: config.json naming the architecture that "
+        "computes it, safetensors weights in files of at most --max-shard-mb with their index, and the tokenizer "
+        "files of a model imported with import-hf. Gathered one tensor at a time from the mesh.",
+        ("path", "a run directory (its newest step), a step directory or a params export"),
+        ("out_dir", "where to write the model directory (must not exist)"),
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype")
+    parser.add_argument(
+        "--max-shard-mb", type=flag_type(float, above=0), default=5000.0, help="largest safetensors file (5000)"
+    )
+    args = _interop_args(parser, argv)
+    from jaxtrain.interop.exporting import export_hf
+
+    out = export_hf(
+        args.path, args.out_dir, dtype=args.dtype, max_file_bytes=int(args.max_shard_mb * 1e6), mesh=args.mesh
+    )
+    print(f"exported {args.path} to {out} (AutoModelForCausalLM.from_pretrained reads it)")
+    return 0
+
+
+def _interop_parser(prog: str, does: str, *positional: tuple[str, str]) -> argparse.ArgumentParser:
+    """The parser of import-hf and export-hf: their two paths, the mesh the params are laid out on, devices."""
+    parser = argparse.ArgumentParser(prog=prog, description=does)
+    for name, what in positional:
+        parser.add_argument(name, help=what)
+    parser.add_argument(
+        "--mesh", default="fsdp=-1", help="the layout the params are read onto (default fsdp=-1: 1/n on each device)"
+    )
+    parser.add_argument(
+        "--simulated-devices", type=flag_type(at_least=1), help="N simulated CPU devices (before JAX starts)"
+    )
+    _debug_flag(parser)
+    return parser
+
+
+def _interop_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    if args.simulated_devices is not None:
+        use_simulated_devices(args.simulated_devices)
+    return args
 
 
 def _generate_parser() -> argparse.ArgumentParser:
@@ -623,6 +691,8 @@ COMMANDS = {
     "generate": generate_main,
     "tokenizer": tokenizer_main,
     "tokenize": tokenize_main,
+    "import-hf": import_hf_main,
+    "export-hf": export_hf_main,
 }
 
 

@@ -18,6 +18,8 @@ Sections:
   attention  each attention implementation's forward + backward time per sequence length, and what `auto` picks
   data       tokenizer MB/s with 1 and 2 workers; the token-shard loader alone vs the train step; steps on real
              shards vs synthetic tokens (target: within 3%, the loader never the bottleneck)
+  hf         Hugging Face import and export of a >= 1 GB Llama built here: MB/s and each process's peak RSS against
+             model bytes / processes + the largest tensor + 1 GiB
 """
 
 from __future__ import annotations
@@ -685,6 +687,98 @@ def bench_data(args, peak) -> dict:
     }
 
 
+# Llama 3.2 1B's shapes with 6 of its 16 layers: 627M params, 1.25 GB in bfloat16; the tied embedding (128,256 x
+# 2,048, 525 MB) is the largest tensor.
+HF_SHAPE = ["n_layers=6", "dtype=bfloat16"]
+HF_CHILD = """
+import json, sys, time
+import jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", {devices})
+if {processes} > 1:
+    jax.distributed.initialize("127.0.0.1:{port}", num_processes={processes}, process_id=int(sys.argv[1]))
+from jaxtrain.interop.exporting import export_hf
+from jaxtrain.interop.importing import import_hf
+
+
+def rss(field):  # this process's own figures: getrusage's maxrss would include the parent's, from before exec
+    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+jax.devices()
+baseline = rss("VmRSS")
+start = time.perf_counter()
+{call}
+seconds = time.perf_counter() - start
+print(json.dumps({{"seconds": seconds, "peak_rss": rss("VmHWM"), "baseline_rss": baseline}}))
+"""
+
+
+def hf_child(call: str, processes: int, devices: int) -> dict:
+    """Run `call` (import_hf or export_hf) in `processes` fresh processes of `devices` CPU devices each (a job, when
+    several): wall seconds, and each process's peak RSS, and its RSS before the call (JAX and jaxtrain imported)."""
+    code = HF_CHILD.format(devices=devices, processes=processes, port=12000 + os.getpid() % 1000, call=call)
+    children = [
+        subprocess.Popen([sys.executable, "-c", code, str(i)], stdout=subprocess.PIPE, cwd=ROOT)
+        for i in range(processes)
+    ]
+    results = [json.loads(child.communicate()[0].decode().strip().splitlines()[-1]) for child in children]
+    return {
+        "seconds": max(r["seconds"] for r in results),
+        "peak_rss": max(r["peak_rss"] for r in results),
+        "baseline_rss": max(r["baseline_rss"] for r in results),
+    }
+
+
+def write_random_hf(directory: Path, cfg) -> tuple[int, int]:
+    """A Hugging Face directory of `cfg.model` with random bfloat16 weights; (its weight bytes, its largest)."""
+    from jaxtrain.interop.exporting import write_hf
+    from jaxtrain.interop.importing import params_plan
+
+    rng = np.random.default_rng(0)
+    abstract = params_plan(cfg, "data=1", jax.devices()[:1]).abstract_state["params"]
+    params = jax.tree.map(
+        lambda x: (rng.standard_normal(x.shape, np.float32) * 0.02).astype(jax.numpy.bfloat16), abstract
+    )
+    write_hf(params, cfg.model, directory, dtype="bfloat16")
+    sizes = [x.nbytes for x in jax.tree.leaves(params)]
+    return sum(sizes), max(sizes)
+
+
+def bench_hf(args, peak) -> dict:
+    """Import and export of a >= 1 GB model, each in fresh processes: in one process (1 device, and 8 simulated
+    devices on fsdp=8, which one process holds all of), and as a job of 2 processes x 1 device on fsdp=2."""
+    from jaxtrain.run_config import apply_overrides, default_config
+
+    cfg = apply_overrides(default_config("llama-1b"), HF_SHAPE)
+    report = {"model": "llama-1b " + " ".join(HF_SHAPE)}
+    with tempfile.TemporaryDirectory(dir=args.checkpoint_dir) as root:
+        root = Path(root)
+        model_bytes, largest = write_random_hf(root / "hf", cfg)
+        report.update(model_mb=round(model_bytes / 1e6, 1), largest_tensor_mb=round(largest / 1e6, 1))
+        for processes, devices in ((1, 1), (1, 8), (2, 1)):
+            name, mesh = f"{processes}x{devices}", f"fsdp={processes * devices}"
+            calls = {"import": f"import_hf('{root / 'hf'}', '{root / name}', mesh='{mesh}')"}
+            if processes == 1:  # export runs in one process (docs/huggingface.md)
+                calls["export"] = (
+                    f"export_hf('{root / name}', '{root / (name + '-hf')}', dtype='bfloat16', mesh='{mesh}')"
+                )
+            for what, call in calls.items():
+                got = hf_child(call, processes, devices)
+                target = model_bytes / processes + largest + 2**30  # a process holds its devices' shards
+                report[f"{what}_{name}"] = {
+                    "mesh": mesh,
+                    "mb_s": round(model_bytes / got["seconds"] / 1e6, 1),
+                    "peak_rss_mb": round(got["peak_rss"] / 1e6, 1),
+                    "rss_before_mb": round(got["baseline_rss"] / 1e6, 1),
+                    "target_rss_mb": round(target / 1e6, 1),
+                    "within_target": got["peak_rss"] <= target,
+                }
+                log(f"hf {what} {name}: {report[f'{what}_{name}']}")
+    return report
+
+
 SECTIONS = {
     "meshes": bench_meshes,
     "variants": bench_variants,
@@ -696,6 +790,7 @@ SECTIONS = {
     "attention": bench_attention,
     "gradsync": bench_gradsync,
     "data": bench_data,
+    "hf": bench_hf,
 }
 
 

@@ -32,6 +32,7 @@ LAYERS = {
     "jaxtrain.training": 4,
     "jaxtrain.planner": 5,
     "jaxtrain.inference": 5,
+    "jaxtrain.interop": 5,  # Hugging Face import/export: checkpoints, plans, the run config
     "jaxtrain.cli": 6,
     "jaxtrain": 6,  # the public API, jaxtrain/__init__.py
 }

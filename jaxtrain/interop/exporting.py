@@ -1,0 +1,139 @@
+"""Export a jaxtrain decoder (a run directory, a step or a params export) as a Hugging Face model directory.
+
+    >>> export_hf("runs/x", "runs/x-hf")  # then AutoModelForCausalLM.from_pretrained("runs/x-hf")  # doctest: +SKIP
+
+The params are restored onto a mesh (default: every device on fsdp), then gathered one tensor (one layer's) at a
+time, turned into the Hugging Face layout and streamed into safetensors files of at most `max_file_bytes`, so host
+memory holds one tensor besides the sharded model. config.json names the architecture that computes the model
+(`architectures.architecture_for`); a model imported from Hugging Face keeps its source's other config fields and
+tokenizer files. Written to a temporary directory, then renamed: the output never holds half an export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtrain.errors import UserInputError
+from jaxtrain.interop.architectures import architecture_for, hf_config
+from jaxtrain.interop.importing import CARRIED, PARAM_DTYPES, carry_files, params_plan
+from jaxtrain.interop.tensor_files import Pending, write_tensors
+from jaxtrain.training.checkpoint import find_checkpoint, restore_params, trained_config
+
+PyTree = Any
+MAX_FILE_BYTES = 5 * 10**9  # save_pretrained's default shard size, "5GB"
+
+
+class HFExportError(UserInputError):
+    """A checkpoint that cannot be exported, or an output directory that cannot be written."""
+
+
+def export_hf(
+    path: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    max_file_bytes: int = MAX_FILE_BYTES,
+    mesh: str = "fsdp=-1",
+    devices: list[jax.Device] | None = None,
+) -> Path:
+    """Write the decoder in checkpoint `path` (a run directory: its newest step; a step; a params export) as a
+    Hugging Face model directory `out_dir` (which must not exist), its weights in `dtype`."""
+    _check_output(out_dir, dtype)
+    step_dir, meta = find_checkpoint(path)
+    cfg = trained_config(step_dir, meta)
+    if cfg.model_name.split("-")[0] not in ("gpt", "llama"):
+        raise HFExportError(
+            f"{step_dir} holds model {cfg.model_name}: only decoders (gpt, llama) export to Hugging Face."
+        )
+    # Restored in the dtype written: a bfloat16 export of a float32 checkpoint holds half the bytes on the devices.
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(dtype), sharding=x.sharding),
+        params_plan(cfg, mesh, devices).abstract_state["params"],
+    )
+    params, _ = restore_params(step_dir, abstract)
+    carried = step_dir / CARRIED
+    return write_hf(params, cfg.model, out_dir, dtype=dtype, max_file_bytes=max_file_bytes, carried=carried)
+
+
+def write_hf(
+    params: PyTree,
+    model: Any,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    max_file_bytes: int = MAX_FILE_BYTES,
+    carried: Path | None = None,
+) -> Path:
+    """Write `params` (model layer order; jax.Arrays on any mesh, or numpy) of decoder `model` (a GPTConfig) as a
+    Hugging Face model directory `out_dir`; `carried`: a folder of the source's config.json and tokenizer files."""
+    out_dir = _check_output(out_dir, dtype)
+    carried = carried if carried is not None and carried.is_dir() else None
+    imported = json.loads((carried / "config.json").read_text()) if carried else None
+    arch = architecture_for(model, imported)
+    partial = out_dir.with_name(f".{out_dir.name}.exporting-{os.getpid()}")
+    partial.mkdir(parents=True)
+    try:
+        pending = [
+            _pending(tensor, params, layer, np.dtype(jax.numpy.dtype(dtype)))
+            for tensor in arch.table(model.tie_embeddings)
+            for layer in (range(model.n_layers) if tensor.stacked else [None])
+        ]
+        write_tensors(partial, pending, max_file_bytes)
+        if carried:
+            carry_files(carried, partial, skip=("config.json",))
+        config = hf_config(arch, model, dtype, imported)
+        (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        partial.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _check_output(out_dir: str | Path, dtype: str) -> Path:
+    """`out_dir`, absolute, once it is known not to exist and `dtype` to be one jaxtrain writes."""
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists():
+        raise HFExportError(f"{out_dir} already exists: an export never overwrites. Give a new directory.")
+    if dtype not in PARAM_DTYPES:
+        raise HFExportError(f"dtype {dtype!r}: give float32 or bfloat16.")
+    return out_dir
+
+
+def _pending(tensor, params: PyTree, layer: int | None, dtype: np.dtype) -> Pending:
+    """The Hugging Face tensor `tensor` names (of `layer`), gathered from the devices only when it is written."""
+    array = params
+    for key in tensor.param.split("/"):
+        array = array[key]
+    shape = array.shape[1:] if tensor.stacked else array.shape
+
+    def produce() -> np.ndarray:
+        return tensor.to_hf(_gather(array, layer)).astype(dtype, copy=False)
+
+    return Pending(tensor.name(layer), tensor.hf_shape(shape), dtype, produce)
+
+
+def _gather(array: jax.Array | np.ndarray, layer: int | None) -> np.ndarray:
+    """`array` (its row `layer` if given) on the host, assembled from the devices' shards: one host copy and no
+    device program (`np.asarray` of a sharded array would gather it on a device first)."""
+    if isinstance(array, np.ndarray):
+        return array if layer is None else array[layer]
+    if not array.is_fully_addressable:
+        raise HFExportError("export-hf runs in one process: this array is spread over several (import runs in many).")
+    out = np.empty(array.shape if layer is None else array.shape[1:], array.dtype)
+    for shard in array.addressable_shards:
+        index, data = shard.index, np.asarray(shard.data)
+        if layer is not None:
+            rows = range(*index[0].indices(array.shape[0]))
+            if layer not in rows:
+                continue
+            index, data = index[1:], data[layer - rows.start]
+        out[index] = data
+    return out

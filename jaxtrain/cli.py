@@ -279,13 +279,19 @@ def _train_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> argpars
 
 def _run_config(args: argparse.Namespace) -> RunConfig | None:
     """The run config that train's --config file, flags and key=value overrides describe; None after printing
-    every config key (--help-config). Raises UserInputError for a bad key or value."""
-    from jaxtrain.run_config import describe_config, load_config
+    every config key (--help-config). Fine-tuning with --restore and neither --config nor --model starts from the
+    model the checkpoint or export stores (its preset, settings, data source and rules). Raises UserInputError for a
+    bad key or value."""
+    from jaxtrain.run_config import apply_overrides, describe_config, load_config
+    from jaxtrain.training.checkpoint import find_checkpoint, trained_config
 
     flags = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
     flags += [f"mesh={args.mesh}"] * bool(args.mesh)
     flags += ["train.progress=false"] * args.no_progress + ["train.verbose=true"] * args.verbose
-    cfg = load_config(args.config, args.model, [*flags, *args.overrides])
+    if getattr(args, "restore", None) and args.config is None and args.model is None:
+        cfg = apply_overrides(trained_config(*find_checkpoint(args.restore)), [*flags, *args.overrides])
+    else:
+        cfg = load_config(args.config, args.model, [*flags, *args.overrides])
     if args.help_config:
         print(describe_config(cfg))
         return None
@@ -507,7 +513,7 @@ def import_hf_main(argv: Sequence[str]) -> int:
         "jaxtrain import-hf",
         "Import a Hugging Face model directory (config.json, safetensors weights, tokenizer files) of "
         "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM as a params export: restorable "
-        "onto any mesh (jaxtrain train --config OUT/config.toml --restore OUT; jaxtrain generate --restore OUT). "
+        "onto any mesh (jaxtrain train --restore OUT fine-tunes it; jaxtrain generate --restore OUT). "
         "Each device's shard is read alone from the files.",
         ("directory", "the Hugging Face model directory"),
         ("out_dir", "where to write the export (must not exist)"),

@@ -167,3 +167,11 @@ def test_fine_tuning_starts_from_an_export_with_a_new_optimizer(exported, tmp_pa
     assert losses[1] == pytest.approx(float(first_loss), rel=1e-6)
     counts = [int(count) for _, count in optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")]
     assert int(state["step"]) == 1 and counts and set(counts) == {1}
+
+
+def test_fine_tuning_from_the_command_line_builds_the_model_the_export_stores(exported, capsys):
+    """`jaxtrain train --restore EXPORT` without --model: gpt-tiny, as exported (the default gpt could not restore
+    it: its shapes differ)."""
+    args = ["train", "--restore", str(exported), "--steps", "1", "--mesh", "fsdp=8", "--batch-size", "8"]
+    assert main([*args, "--seq-len", "32", "--no-progress", "eval_every=1000"]) == 0
+    assert "params: 131,392 " in capsys.readouterr().out  # gpt-tiny's count

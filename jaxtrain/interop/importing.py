@@ -6,9 +6,9 @@
 
 Each parameter is built with `jax.make_array_from_callback`: every device's shard is read alone, as a slice of the
 file (`tensor_files`), so a process reads only the rows its devices hold, and host memory holds one slice at a time
-besides the result. The export carries the run config (model settings from config.json), a `config.toml` to
-fine-tune with (`jaxtrain train --restore OUT` reads the model from the export itself), and under `hf/` the source's config.json and
-tokenizer files, which `jaxtrain export-hf` writes back.
+besides the result. The export carries the run config (model settings from config.json), from which
+`jaxtrain train --restore OUT` builds the model to fine-tune, a `config.toml` of it, and under `hf/` the source's
+config.json and tokenizer files, which `jaxtrain export-hf` writes back.
 """
 
 from __future__ import annotations

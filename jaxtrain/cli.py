@@ -283,12 +283,13 @@ def _run_config(args: argparse.Namespace) -> RunConfig | None:
     model the checkpoint or export stores (its preset, settings, data source and rules). Raises UserInputError for a
     bad key or value."""
     from jaxtrain.run_config import apply_overrides, describe_config, load_config
-    from jaxtrain.training.checkpoint import find_checkpoint, trained_config
 
     flags = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
     flags += [f"mesh={args.mesh}"] * bool(args.mesh)
     flags += ["train.progress=false"] * args.no_progress + ["train.verbose=true"] * args.verbose
     if getattr(args, "restore", None) and args.config is None and args.model is None:
+        from jaxtrain.training.checkpoint import find_checkpoint, trained_config  # Orbax: only when restoring
+
         cfg = apply_overrides(trained_config(*find_checkpoint(args.restore)), [*flags, *args.overrides])
     else:
         cfg = load_config(args.config, args.model, [*flags, *args.overrides])

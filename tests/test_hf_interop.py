@@ -209,6 +209,39 @@ def test_greedy_generation_equals_transformers_token_for_token(variant, hf_dir, 
         assert got == theirs[0, len(prompt) :].tolist()
 
 
+WORDS = ["<unk>", "to", "be", "or", "not", "that", "is", "the", "question"]
+
+
+def with_tokenizer(variant: str, hf_dir: str, tmp_path) -> str:
+    """A copy of `variant`'s directory with a word-level tokenizer.json (ids 0-8), as save_pretrained of a model and
+    its tokenizer leaves one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    copy = edited_copy(variant, hf_dir, tmp_path)
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(os.path.join(copy, "tokenizer.json"))
+    return copy
+
+
+def test_an_import_generates_from_text_with_the_tokenizer_it_carries(hf_dir, tmp_path, capsys):
+    from jaxtrain.inference.generate import Generator
+
+    model, _ = hf_model("llama", hf_dir)
+    out = import_hf(with_tokenizer("llama", hf_dir, tmp_path), tmp_path / "export", devices=jax.devices()[:1])
+    assert (out / "hf" / "tokenizer.json").is_file()
+    tokenizer = Generator.restore(out, mesh="data=1").tokenizer
+    assert tokenizer.encode("to be or not") == [1, 2, 3, 4]
+    assert (
+        main(
+            ["generate", "--restore", str(out), "--mesh", "data=1", "--prompt", "to be or not", "--max-new-tokens", "6"]
+        )
+        == 0
+    )
+    theirs = model.generate(torch.tensor([[1, 2, 3, 4]]), do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    assert capsys.readouterr().out.strip() == tokenizer.decode(theirs[0, 4:].tolist())
+
+
 def edited_copy(variant: str, hf_dir: str, tmp_path, **config) -> str:
     """A copy of `variant`'s directory whose config.json has `config`'s keys changed."""
     _, path = hf_model(variant, hf_dir)
@@ -282,8 +315,8 @@ def test_fine_tuning_an_import_lowers_the_loss_and_exports(hf_dir, tmp_path):
     from jaxtrain.run_config import load_config
     from jaxtrain.training.loop import train
 
-    model, path = hf_model("qwen3-qknorm", hf_dir)
-    out = import_hf(path, tmp_path / "export", dtype="float32")
+    model, _ = hf_model("qwen3-qknorm", hf_dir)
+    out = import_hf(with_tokenizer("qwen3-qknorm", hf_dir, tmp_path), tmp_path / "export", dtype="float32")
     overrides = [
         f"data.source={shared_file('tinyshakespeare.txt')}",
         "mesh=fsdp=4,tensor=2",
@@ -302,6 +335,9 @@ def test_fine_tuning_an_import_lowers_the_loss_and_exports(hf_dir, tmp_path):
     print(f"\nfine-tuning an import, loss every 10 steps: {[round(x, 3) for x in losses]}")
     assert losses[-1] < losses[0] - 0.5, losses
     exported = export_hf(tmp_path / "run", tmp_path / "hf")
+    # The run keeps the tokenizer its export carried, and its own export carries it on to transformers.
+    assert (tmp_path / "run" / "hf" / "tokenizer.json").is_file()
+    assert (exported / "tokenizer.json").read_bytes() == (out / "hf" / "tokenizer.json").read_bytes()
     back = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     assert type(back) is type(model)
     params = jax.device_get(summary["run"].plan.params_in_model_order(summary["state"]["params"]))

@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxtrain.data.tokenizer import Tokenizer
+from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtrain.data.tokens import token_sources, tokenizer_of
 from jaxtrain.errors import UserInputError
 from jaxtrain.inference.sampling import Sampling, sample
@@ -41,7 +41,7 @@ from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.constraints import activation_sharding
 from jaxtrain.sharding.mesh import MeshLayout, build_mesh, parse_layout
 from jaxtrain.sharding.rules import ShardingRules, logical_to_spec
-from jaxtrain.training.checkpoint import find_checkpoint, restore_params, trained_config
+from jaxtrain.training.checkpoint import carried_files, find_checkpoint, restore_params, trained_config
 from jaxtrain.training.distributed import to_host
 from jaxtrain.training.model import ModelParts, split_model
 from jaxtrain.training.plan import Plan, make_plan
@@ -78,12 +78,15 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def tokenizer_for(cfg: RunConfig) -> ByteTokenizer | Tokenizer:
-    """The tokenizer the model of `cfg` trained with (bytes, or tokenized data's own); an error for data that has no
-    text (synthetic tokens)."""
+def tokenizer_for(cfg: RunConfig, carried: Path | None = None) -> ByteTokenizer | Tokenizer:
+    """The tokenizer the model of `cfg` trained with (bytes, or tokenized data's own); for synthetic data (an import
+    from Hugging Face is stored with it), the tokenizer the checkpoint carries (`carried`, its `carried_files`); an
+    error for synthetic data without one."""
     directories = token_sources(cfg.data.source, cfg.data.path, cfg.data.mixture)
     if directories:  # a mixture's sources share one tokenizer
         return tokenizer_of(directories[0][0])
+    if cfg.data.source == "synthetic" and carried is not None and (carried / "tokenizer.json").is_file():
+        return load_tokenizer(carried)
     if cfg.data.source == "synthetic":
         raise GenerationError(
             f"model {cfg.model_name} was trained on data.source=synthetic (random token ids), which has no text to "
@@ -108,10 +111,10 @@ class Generator:
     Build one with `Generator.restore(path)` (a checkpoint or export: the model comes from the config it stores),
     `Generator.from_training(summary)` (what `jaxtrain.train` returns), or from a `Plan` and its params."""
 
-    def __init__(self, plan: Plan, params: PyTree, cfg: RunConfig | None = None):
+    def __init__(self, plan: Plan, params: PyTree, cfg: RunConfig | None = None, carried: Path | None = None):
         """`params` in the model's layer order (placed here into `plan`'s shardings); `cfg` the run config the
-        model trained with, for its tokenizer."""
-        self.plan, self.cfg = plan, cfg
+        model trained with, and `carried` the files its checkpoint carries, for its tokenizer."""
+        self.plan, self.cfg, self.carried = plan, cfg, carried
         self.params = jax.device_put(params, plan.state_shardings["params"])
         module = nnx.merge(plan.model.graphdef, self.params)
         missing = [name for name in DECODER_METHODS if not callable(getattr(module, name, None))]
@@ -153,7 +156,7 @@ class Generator:
             mesh, rules, split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
         )
         params, _ = restore_params(step_dir, plan.abstract_state["params"])
-        return cls(plan, params, cfg)
+        return cls(plan, params, cfg, carried_files(step_dir))
 
     @classmethod
     def from_training(
@@ -170,7 +173,7 @@ class Generator:
     def tokenizer(self) -> ByteTokenizer | Tokenizer:
         if self.cfg is None:
             raise GenerationError("this generator was built without the model's run config: give token ids.")
-        return tokenizer_for(self.cfg)
+        return tokenizer_for(self.cfg, self.carried)
 
     def generate(
         self,

@@ -22,9 +22,9 @@ import numpy as np
 
 from jaxtrain.errors import UserInputError
 from jaxtrain.interop.architectures import architecture_for, hf_config
-from jaxtrain.interop.importing import CARRIED, PARAM_DTYPES, carry_files, params_plan
+from jaxtrain.interop.importing import PARAM_DTYPES, carry_files, params_plan
 from jaxtrain.interop.tensor_files import Pending, write_tensors
-from jaxtrain.training.checkpoint import find_checkpoint, restore_params, trained_config
+from jaxtrain.training.checkpoint import carried_files, find_checkpoint, restore_params, trained_config
 
 PyTree = Any
 MAX_FILE_BYTES = 5 * 10**9  # save_pretrained's default shard size, "5GB"
@@ -58,8 +58,9 @@ def export_hf(
         params_plan(cfg, mesh, devices).abstract_state["params"],
     )
     params, _ = restore_params(step_dir, abstract)
-    carried = step_dir / CARRIED
-    return write_hf(params, cfg.model, out_dir, dtype=dtype, max_file_bytes=max_file_bytes, carried=carried)
+    return write_hf(
+        params, cfg.model, out_dir, dtype=dtype, max_file_bytes=max_file_bytes, carried=carried_files(step_dir)
+    )
 
 
 def write_hf(
@@ -121,13 +122,16 @@ def _pending(tensor, params: PyTree, layer: int | None, dtype: np.dtype) -> Pend
 
 
 def _gather(array: jax.Array | np.ndarray, layer: int | None) -> np.ndarray:
-    """`array` (its row `layer` if given) on the host, assembled from the devices' shards: one host copy and no
-    device program (`np.asarray` of a sharded array would gather it on a device first)."""
+    """`array` (its row `layer` if given) on the host, assembled from the devices' shards: at most one host copy and
+    no device program (`np.asarray` of a sharded array would gather it on a device first). A shard that holds all of
+    it is returned as a view of the device buffer (no copy on the CPU), so a replicated or unsharded tensor costs
+    nothing more."""
     if isinstance(array, np.ndarray):
         return array if layer is None else array[layer]
     if not array.is_fully_addressable:
         raise HFExportError("export-hf runs in one process: this array is spread over several (import runs in many).")
-    out = np.empty(array.shape if layer is None else array.shape[1:], array.dtype)
+    shape = array.shape if layer is None else array.shape[1:]
+    out = None
     for shard in array.addressable_shards:
         index, data = shard.index, np.asarray(shard.data)
         if layer is not None:
@@ -135,5 +139,9 @@ def _gather(array: jax.Array | np.ndarray, layer: int | None) -> np.ndarray:
             if layer not in rows:
                 continue
             index, data = index[1:], data[layer - rows.start]
+        if data.shape == shape:
+            return data
+        if out is None:
+            out = np.empty(shape, array.dtype)
         out[index] = data
     return out

@@ -33,12 +33,12 @@ from jaxtrain.registry import resolve_model
 from jaxtrain.run_config import RunConfig, config_from_table, config_table
 from jaxtrain.sharding.mesh import build_mesh, parse_layout
 from jaxtrain.sharding.rules import ShardingRules
+from jaxtrain.training.checkpoint import CARRIED
 from jaxtrain.training.model import split_model
 from jaxtrain.training.plan import Plan, make_plan
 from jaxtrain.training.run_identity import config_json
 
 PyTree = Any
-CARRIED = "hf"  # the export's folder holding the source's config.json and tokenizer files
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
 # Every model setting is given, from config.json: the preset only names the decoder the registry builds.
 BASE_MODEL = "llama-tiny"
@@ -181,9 +181,10 @@ def _save(params: PyTree, cfg: RunConfig, source: HFCheckpoint, out_dir: Path) -
     if jax.process_count() > 1:  # every process has looked before any writes
         multihost_utils.sync_global_devices("jaxtrain import-hf: output checked")
     meta = {"kind": "params", "step": 0, "config": config_json(cfg), "imported_from": str(source.directory)}
-    # Orbax copies arrays to the host to write them; at most 1 GB at a time (measured on a 1.25 GB import: the
-    # save's peak RSS 160 MB lower than with its default, which copies everything at once).
-    handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=1)
+    # Orbax copies arrays to the host to write them, by default all at once: in batches of at most the largest
+    # array (one larger than the limit goes alone), host memory holds one tensor's copy besides the model.
+    largest_gb = max(x.nbytes for x in jax.tree.leaves(params)) / 1e9
+    handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=largest_gb)
     with ocp.Checkpointer(
         ocp.CompositeCheckpointHandler(params=handler, meta=ocp.JsonCheckpointHandler())
     ) as checkpointer:

@@ -293,6 +293,32 @@ def export_params(step_dir: str | Path, out_dir: str | Path) -> Path:
     return out_dir
 
 
+# Files a model carries besides its weights (an import's Hugging Face config.json and tokenizer): a folder of a params
+# export, or of a run directory when the run fine-tunes such an export (`carry_into`), so its checkpoints keep them.
+CARRIED = "hf"
+
+
+def carried_files(step_dir: Path) -> Path | None:
+    """The folder of files carried with the model in checkpoint `step_dir` (a params export's own; a training step's
+    run directory's), or None."""
+    owner = step_dir.parent if (step_dir / "state").is_dir() else step_dir
+    return owner / CARRIED if (owner / CARRIED).is_dir() else None
+
+
+def carry_into(source: Path, run_directory: Path) -> Path | None:
+    """Copy the carried files of checkpoint `source` into `run_directory` (process 0; through a temporary name, so a
+    kill leaves none or all), unless it has them already. Returns the folder, or None when `source` carries none."""
+    carried = carried_files(source)
+    target = run_directory / CARRIED
+    if carried is None or target.exists() or jax.process_index() != 0:
+        return None if carried is None else target
+    partial = run_directory / f".{CARRIED}.copying"
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(carried, partial)
+    partial.rename(target)
+    return target
+
+
 def is_params_export(path: str | Path) -> bool:
     """Whether `path` is a params export (`export_params`) rather than a training checkpoint or anything else."""
     return (Path(path) / "params").is_dir()

@@ -29,6 +29,7 @@ from jaxtrain.training.checkpoint import (
     CheckpointMismatchError,
     Checkpoints,
     CheckpointWriteError,
+    carry_into,
     is_params_export,
     newest_meta,
     restore,
@@ -216,7 +217,7 @@ def initial_state(run: Setup, checkpoints: Checkpoints | None, log: Callable[[st
         return plan.state_from_model_order(state), _resumed(cfg, Progress.from_meta(meta), changed, log)
     new_run = run_identity.fingerprint(run_identity.config_json(cfg))
     if cfg.train.restore and is_params_export(cfg.train.restore):
-        return _fine_tune(run, log), Progress(run=new_run)
+        return _fine_tune(run, checkpoints, log), Progress(run=new_run)
     if cfg.train.restore:
         state, progress = _restore_step(run, log)
         return state, dataclasses.replace(progress, run=new_run)
@@ -270,11 +271,14 @@ def _restore_step(run: Setup, log: Callable[[str], None]) -> tuple[Any, Progress
     return run.plan.state_from_model_order(state), progress
 
 
-def _fine_tune(run: Setup, log: Callable[[str], None]) -> Any:
-    """A fresh optimizer state at step 0 around the params of the export at `train.restore`."""
+def _fine_tune(run: Setup, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> Any:
+    """A fresh optimizer state at step 0 around the params of the export at `train.restore`; the files the export
+    carries (an import's tokenizer) are copied into the run directory, so its checkpoints keep them."""
     plan = run.plan
     params, meta = restore_params(run.cfg.train.restore, plan.abstract_model_state()["params"])
     log(f"starting from the params of step {meta['step']} exported at {run.cfg.train.restore}, with a new optimizer")
+    if checkpoints is not None:
+        carry_into(Path(run.cfg.train.restore).absolute(), checkpoints.directory)
     return plan.init_state(run.optimizer, run.cfg.train.seed, params)
 
 

@@ -34,6 +34,8 @@ from jaxtrain.ops.plain import is_plain
 from jaxtrain.sharding.constraints import activation_spec, active_mesh, per_device
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash", "chunked")
+# How attention runs where the activation rules split the sequence over devices (`jaxtrain.ops.context_attention`).
+CONTEXT_PARALLEL = ("ring", "allgather")
 # From this sequence length on, `auto` picks `chunked` over `reference` on CPU. Measured on this project's 2-core
 # CI-class machine, forward + backward of attention alone, float32, best of 3 (seconds, reference / chunked):
 #   B=1 H=8 G=4 K=64:  T=64 .0014/.0013, 128 .0056/.0022, 256 .0165/.0096, 512 .212/.085, 1024 .66/.40, 4096 11.4/3.0
@@ -45,7 +47,6 @@ CHUNK = 512  # `chunked` block length: (B, H, 512, 512) float32 scores per block
 _SPLASH_BLOCK = 128  # the splash kernel's blocks are multiples of the TPU's 128 lanes
 _MASKED = -1e30  # finite, so a fully masked row gives zeros, not NaN, in the online softmax and its gradient
 _Q = ("batch", None, "heads", None)  # q and the output on each device: the sequence and head dim stay whole
-_KV = ("batch", None, "kv_heads", None)
 _SEGMENTS = ("batch", None)
 _KERNEL_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}  # the kernels that run on one platform only
 
@@ -67,13 +68,22 @@ def attention(
     segment_ids: jax.Array | None = None,
     sliding_window: int | None = None,
     interpret: bool = False,
+    context_parallel: str = "ring",
 ) -> jax.Array:
     """Causal self-attention of q (B, T, H, K) over k, v (B, T, G, K) -> (B, T, H, K) in q's dtype.
 
     `implementation`: one of IMPLEMENTATIONS. `segment_ids` (B, T) int: packed documents. `sliding_window` W: query
     t sees keys t - W < s <= t. `interpret`: run the splash kernel in the Pallas interpreter on any backend (tests).
+    `context_parallel`: one of CONTEXT_PARALLEL, the algorithm where the active rules split the sequence over
+    devices; q, k, v and segment_ids are then in the layout of `jaxtrain.ops.sequence`.
     """
     _check_inputs(q, k, v, segment_ids, sliding_window)
+    from jaxtrain.ops import context_attention as split  # imported here: it builds on this module's kernels
+
+    if split.sequence_axes(q.shape[1]):
+        return split.context_attention(
+            q, k, v, segment_ids, sliding_window, algorithm=context_parallel, implementation=implementation
+        )
     platform = "tpu" if interpret else _platform()
     chosen = resolve_implementation(implementation, platform, q.shape[1], q.dtype, packed=segment_ids is not None)
     needs = _KERNEL_PLATFORM.get(chosen, platform)
@@ -247,7 +257,7 @@ def _cudnn(q, k, v, segment_ids, window) -> jax.Array:
             f"attention implementation 'cudnn' takes bfloat16 or float16 q/k/v, got {q.dtype}: compute in bf16, or "
             f"use 'xla' (or 'auto', which picks it for float32 on GPU)."
         )
-    k, v, kv_names = _kv_split_like_q(q, k, v)
+    k, v, kv_names = kv_split_like_q(q, k, v)
     if segment_ids is None:
         kernel = functools.partial(_cudnn_causal, window=window)
         return per_device(kernel, [_Q, kv_names, kv_names], _Q)(q, k, v)
@@ -335,18 +345,18 @@ def _segment_offsets(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return offsets.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
-def _kv_split_like_q(q, k, v) -> tuple[jax.Array, jax.Array, tuple]:
+def kv_split_like_q(q, k, v, seq: str | None = None) -> tuple[jax.Array, jax.Array, tuple]:
     """k, v and the dim names to split them by for a per-device kernel: each device must hold the kv heads of its
     own query heads. Where the rules split query heads but not kv heads (tensor does not divide G), k and v are
-    repeated to H heads and split like the queries."""
+    repeated to H heads and split like the queries. `seq`: the name their sequence dim goes by (None: whole)."""
     if activation_spec(("heads",), (q.shape[2],)) == activation_spec(("kv_heads",), (k.shape[2],)):
-        return k, v, _KV
+        return k, v, ("batch", seq, "kv_heads", None)
     repeats = q.shape[2] // k.shape[2]
-    return jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2), _Q
+    return jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2), ("batch", seq, "heads", None)
 
 
 def _splash(q, k, v, segment_ids, window, *, interpret: bool) -> jax.Array:
-    k, v, kv_names = _kv_split_like_q(q, k, v)
+    k, v, kv_names = kv_split_like_q(q, k, v)
     kernel = functools.partial(_splash_per_device, window=window, interpret=interpret)
     if segment_ids is None:
         return per_device(kernel, [_Q, kv_names, kv_names], _Q)(q, k, v)
@@ -419,14 +429,25 @@ def chunked_attention(
     if segment_ids is None:
         segment_ids = jnp.zeros((batch, seq_len), jnp.int32)
 
-    def blocks(x, value=0):  # (B, T, *rest) -> (n, B, *rest[:-1], block, rest[-1]), or (n, B, block) for rest = ()
-        x = _pad_seq(x, padded, value).reshape(batch, count, block, *x.shape[2:])
-        return jnp.moveaxis(x, (1, 2), (0, -2 if x.ndim > 3 else -1))
+    q_blocks = to_blocks(q.reshape(batch, seq_len, groups, heads // groups, head_dim), block, padded)
+    kv_blocks = (to_blocks(x, block, padded) for x in (k, v))  # (n, B, G, b, K)
+    out = _flash(sliding_window, q_blocks, *kv_blocks, to_blocks(segment_ids, block, padded, -1))
+    return from_blocks(out)[:, :seq_len]
 
-    q_blocks = blocks(q.reshape(batch, seq_len, groups, heads // groups, head_dim))  # (n, B, G, H/G, b, K)
-    out = _flash(sliding_window, q_blocks, blocks(k), blocks(v), blocks(segment_ids, -1))
-    out = jnp.moveaxis(out, (0, -2), (1, 2)).reshape(batch, padded, heads, head_dim)
-    return out[:, :seq_len]
+
+def to_blocks(x: jax.Array, block: int, padded: int | None = None, value: int = 0) -> jax.Array:
+    """x (B, T, *rest), padded at its end to `padded` positions, as blocks of `block` positions along a new leading
+    dim, the block's positions second to last: (n, B, *rest[:-1], block, rest[-1]), or (n, B, block) for rest = ()."""
+    batch, seq_len = x.shape[:2]
+    padded = padded or seq_len
+    x = _pad_seq(x, padded, value).reshape(batch, padded // block, block, *x.shape[2:])
+    return jnp.moveaxis(x, (1, 2), (0, -2 if x.ndim > 3 else -1))
+
+
+def from_blocks(out: jax.Array) -> jax.Array:
+    """The inverse of `to_blocks` for a query-shaped (n, B, G, J, b, K) -> (B, n x b, G x J, K)."""
+    count, batch, groups, per_group, block, head_dim = out.shape
+    return jnp.moveaxis(out, (0, -2), (1, 2)).reshape(batch, count * block, groups * per_group, head_dim)
 
 
 def _chunked(q, k, v, segment_ids, window) -> jax.Array:
@@ -443,24 +464,53 @@ def _flash(window, q, k, v, segments) -> jax.Array:
 def _flash_forward(window, q, k, v, segments) -> tuple[jax.Array, jax.Array]:
     """(output, log-sum-exp) by the online softmax over each query block's visible key blocks."""
     block = q.shape[-2]
+    positions = block_positions(q.shape[0], block)
 
     def query_block(i):
         def visit(j, carry):
-            top, total, acc = carry  # running max, sum of exp and weighted values of this block's rows
-            scores, allowed = _block_scores(window, q[i], k[j], segments[i], segments[j], i, j)
-            new_top = jnp.maximum(top, scores.max(axis=-1))
-            probs = jnp.where(allowed, jnp.exp(scores - new_top[..., None]), 0.0)
-            rescale = jnp.exp(top - new_top)
-            total = total * rescale + probs.sum(axis=-1)
-            values = _einsum32("bgjqs,bgsk->bgjqk", probs.astype(v.dtype), v[j])
-            return new_top, total, acc * rescale[..., None] + values
+            return online_softmax_step(
+                window, carry, q[i], k[j], v[j], (segments[i], segments[j]), (positions[i], positions[j])
+            )
 
-        rows = q.shape[1:-1]
-        init = _varying_like((jnp.full(rows, _MASKED), jnp.zeros(rows), jnp.zeros(q.shape[1:])), q, k, v, segments)
-        top, total, acc = jax.lax.fori_loop(_first_key_block(i, window, block), i + 1, visit, init)
-        return (acc / total[..., None]).astype(q.dtype), top + jnp.log(total)
+        init = _varying_like(empty_softmax_state(q.shape[1:]), q, k, v, segments)
+        return finish_softmax(jax.lax.fori_loop(_first_key_block(i, window, block), i + 1, visit, init), q.dtype)
 
     return jax.lax.map(query_block, jnp.arange(q.shape[0]))
+
+
+# The running state of a block of query rows in the online softmax: (max, sum of exp, exp-weighted values), float32,
+# shapes (B, G, J, b), (B, G, J, b), (B, G, J, b, K).
+SoftmaxState = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def block_positions(count: int, block: int) -> jax.Array:
+    """(n, b): the positions of `count` contiguous blocks of `block` positions."""
+    return jnp.arange(count * block).reshape(count, block)
+
+
+def empty_softmax_state(q_block_shape: tuple[int, ...]) -> SoftmaxState:
+    """The online softmax's state of query rows that have seen no key yet; q_block_shape (B, G, J, b, K)."""
+    rows = q_block_shape[:-1]
+    return jnp.full(rows, _MASKED), jnp.zeros(rows), jnp.zeros(q_block_shape)
+
+
+def online_softmax_step(window, state, q_block, k_block, v_block, segments, positions) -> SoftmaxState:
+    """`state` after the query rows of q_block (B, G, J, b, K) have also seen the keys of k_block, v_block
+    (B, G, s, K); `segments` and `positions` are (query, key) pairs of (B, b) and (b,) arrays."""
+    top, total, acc = state  # running max, sum of exp and weighted values of this block's rows
+    scores, allowed = _block_scores(window, q_block, k_block, *segments, *positions)
+    new_top = jnp.maximum(top, scores.max(axis=-1))
+    probs = jnp.where(allowed, jnp.exp(scores - new_top[..., None]), 0.0)
+    rescale = jnp.exp(top - new_top)
+    total = total * rescale + probs.sum(axis=-1)
+    values = _einsum32("bgjqs,bgsk->bgjqk", probs.astype(v_block.dtype), v_block)
+    return new_top, total, acc * rescale[..., None] + values
+
+
+def finish_softmax(state: SoftmaxState, dtype) -> tuple[jax.Array, jax.Array]:
+    """(output in `dtype`, log-sum-exp) of rows that have seen every key they attend to (at least one each)."""
+    top, total, acc = state
+    return (acc / total[..., None]).astype(dtype), top + jnp.log(total)
 
 
 def _flash_fwd(window, q, k, v, segments):
@@ -473,20 +523,17 @@ def _flash_bwd(window, residuals, d_out):
     probabilities recomputed from the saved log-sum-exp; dq accumulates across key blocks."""
     q, k, v, segments, out, lse = residuals
     count, block = q.shape[0], q.shape[-2]
-    scale = 1 / math.sqrt(q.shape[-1])
-    delta = jnp.einsum("nbgjqk,nbgjqk->nbgjq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = output_dot(out, d_out)
+    positions = block_positions(count, block)
 
     def key_block(dq, j):
         def visit(i, carry):
             dk, dv, dq = carry
-            scores, allowed = _block_scores(window, q[i], k[j], segments[i], segments[j], i, j)
-            probs = jnp.where(allowed, jnp.exp(scores - lse[i][..., None]), 0.0)  # (B, G, J, b, b)
-            dv += _einsum32("bgjqs,bgjqk->bgsk", probs.astype(d_out.dtype), d_out[i])
-            d_probs = _einsum32("bgjqk,bgsk->bgjqs", d_out[i], v[j])
-            d_scores = (probs * (d_probs - delta[i][..., None]) * scale).astype(q.dtype)  # w.r.t. q.k, scale in
-            dk += _einsum32("bgjqs,bgjqk->bgsk", d_scores, q[i])
-            dq = dq.at[i].add(_einsum32("bgjqs,bgsk->bgjqk", d_scores, k[j]))
-            return dk, dv, dq
+            residuals = (lse[i], delta[i], d_out[i])
+            dq_i, dk_j, dv_j = block_gradients(
+                window, q[i], k[j], v[j], (segments[i], segments[j]), (positions[i], positions[j]), residuals
+            )
+            return dk + dk_j, dv + dv_j, dq.at[i].add(dq_i)
 
         zeros = _varying_like(jnp.zeros(k.shape[1:]), q, k, v, segments, d_out)
         dk, dv, dq = jax.lax.fori_loop(j, _last_query_block(j, window, block, count) + 1, visit, (zeros, zeros, dq))
@@ -500,6 +547,25 @@ def _flash_bwd(window, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def output_dot(out: jax.Array, d_out: jax.Array) -> jax.Array:
+    """FlashAttention-2's delta, each row's d_out . out (..., b) float32, of query-shaped (..., b, K) arrays."""
+    return jnp.einsum("...qk,...qk->...q", d_out.astype(jnp.float32), out.astype(jnp.float32))
+
+
+def block_gradients(window, q_block, k_block, v_block, segments, positions, residuals):
+    """(dq of q_block, dk and dv of k_block and v_block), float32, from one query block against one key block: the
+    probabilities recomputed from the rows' log-sum-exp. `residuals`: the query rows' (lse, delta, d_out)."""
+    lse, delta, d_out = residuals
+    scores, allowed = _block_scores(window, q_block, k_block, *segments, *positions)
+    probs = jnp.where(allowed, jnp.exp(scores - lse[..., None]), 0.0)  # (B, G, J, b, s)
+    dv = _einsum32("bgjqs,bgjqk->bgsk", probs.astype(d_out.dtype), d_out)
+    d_probs = _einsum32("bgjqk,bgsk->bgjqs", d_out, v_block)
+    scale = 1 / math.sqrt(q_block.shape[-1])
+    d_scores = (probs * (d_probs - delta[..., None]) * scale).astype(q_block.dtype)  # w.r.t. q.k, scale in
+    dk = _einsum32("bgjqs,bgjqk->bgsk", d_scores, q_block)
+    return _einsum32("bgjqs,bgsk->bgjqk", d_scores, k_block), dk, dv
+
+
 def _varying_like(init, *arrays):
     """`init` typed as varying over every manual mesh axis that `arrays` vary over: inside a shard_map (e.g. the
     pipeline's) a loop's carry must keep the type the body gives it."""
@@ -507,14 +573,13 @@ def _varying_like(init, *arrays):
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), init) if axes else init
 
 
-def _block_scores(window, q_block, k_block, q_segments, k_segments, i, j) -> tuple[jax.Array, jax.Array]:
-    """Scaled scores (B, G, J, b, b) float32 of query block i against key block j, masked, and the mask."""
-    block = q_block.shape[-2]
+def _block_scores(window, q_block, k_block, q_segments, k_segments, q_pos, k_pos) -> tuple[jax.Array, jax.Array]:
+    """Scaled scores (B, G, J, b, s) float32 of a query block against a key block whose positions in the sequence
+    are q_pos (b,) and k_pos (s,), masked, and the mask."""
     scores = _einsum32("bgjqk,bgsk->bgjqs", q_block, k_block)
     scores = scores / math.sqrt(q_block.shape[-1])
-    positions = jnp.arange(block)
-    same_segment = (q_segments[:, :, None] == k_segments[:, None, :])[:, None, None]  # (B, 1, 1, b, b)
-    allowed = _allowed(i * block + positions, j * block + positions, same_segment, window)
+    same_segment = (q_segments[:, :, None] == k_segments[:, None, :])[:, None, None]  # (B, 1, 1, b, s)
+    allowed = _allowed(q_pos, k_pos, same_segment, window)
     return jnp.where(allowed, scores, _MASKED), allowed
 
 

@@ -444,10 +444,11 @@ def to_blocks(x: jax.Array, block: int, padded: int | None = None, value: int = 
     return jnp.moveaxis(x, (1, 2), (0, -2 if x.ndim > 3 else -1))
 
 
-def from_blocks(out: jax.Array) -> jax.Array:
-    """The inverse of `to_blocks` for a query-shaped (n, B, G, J, b, K) -> (B, n x b, G x J, K)."""
-    count, batch, groups, per_group, block, head_dim = out.shape
-    return jnp.moveaxis(out, (0, -2), (1, 2)).reshape(batch, count * block, groups * per_group, head_dim)
+def from_blocks(x: jax.Array) -> jax.Array:
+    """The inverse of `to_blocks` for query-shaped (n, B, G, J, b, K) -> (B, n x b, G x J, K) and key-shaped
+    (n, B, G, b, K) -> (B, n x b, G, K) blocks."""
+    count, batch, block, head_dim = x.shape[0], x.shape[1], x.shape[-2], x.shape[-1]
+    return jnp.moveaxis(x, (0, -2), (1, 2)).reshape(batch, count * block, -1, head_dim)
 
 
 def _chunked(q, k, v, segment_ids, window) -> jax.Array:

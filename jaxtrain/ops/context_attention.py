@@ -20,6 +20,7 @@ Every query sees at least itself, so no row is empty after all steps.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -39,13 +40,20 @@ from jaxtrain.ops.attention import (
     to_blocks,
 )
 from jaxtrain.ops.sequence import sequence_order
-from jaxtrain.sharding.constraints import activation_spec, per_device, split_ways
+from jaxtrain.sharding.constraints import (
+    activation_sharding,
+    activation_spec,
+    active_placement,
+    per_device,
+    split_ways,
+)
 
 # The implementations a model may ask for under context parallelism: the algorithms compute attention blockwise
 # themselves, with `chunked`'s math; `auto` picks them.
 RUNS_SPLIT = ("auto", "chunked")
 _Q = ("batch", "seq", "heads", None)
 _SEGMENTS = ("batch", "seq")
+_LSE = ("batch", "seq", "heads")
 
 
 def sequence_axes(seq_len: int) -> tuple[str, ...]:
@@ -65,9 +73,9 @@ def context_attention(q, k, v, segment_ids, window, *, algorithm: str, implement
     if segment_ids is None:
         segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
     k, v, kv_names = kv_split_like_q(q, k, v, seq="seq")
-    run = {"ring": _ring, "allgather": _allgather}[algorithm]
-    kernel = functools.partial(run, axes=axes, ways=ways, window=window)
-    return per_device(kernel, [_Q, kv_names, kv_names, ("seq",), _SEGMENTS], _Q)(q, k, v, positions, segment_ids)
+    names = (_Q, kv_names, kv_names, ("seq",), _SEGMENTS)
+    split = _Split(algorithm, axes, ways, window, names, active_placement())
+    return _split_attention(split, q, k, v, positions, segment_ids)
 
 
 def _check(algorithm: str, implementation: str, axes: tuple[str, ...], ways: int) -> None:
@@ -91,80 +99,138 @@ def block_len(local_len: int) -> int:
     return max(b for b in range(1, min(chunk, CHUNK) + 1) if chunk % b == 0)
 
 
-def _query_blocks(q, groups, positions, segments, block):
-    """Per device: q (b, t, H, K) -> (n, b, G, J, s, K) with G = H / J key/value heads; positions (t,) -> (n, s);
-    segments (b, t) -> (n, b, s): blocks of s positions."""
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """How a split sequence's attention runs: the algorithm, the mesh axes and ways it is split over, the window,
+    and the dim names of the arguments (q, k, v, positions, segments)."""
+
+    algorithm: str
+    axes: tuple[str, ...]
+    ways: int
+    window: int | None
+    in_names: tuple
+    placement: tuple = dataclasses.field(compare=False)  # the forward's mesh and rules, for the backward
+    @property
+    def kv_names(self) -> tuple:
+        return self.in_names[1]
+
+
+# The custom VJP wraps the shard_maps: the backward is then its own per-device program.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _split_attention(split: _Split, q, k, v, positions, segments) -> jax.Array:
+    return _split_forward(split, q, k, v, positions, segments)[0]
+
+
+def _split_forward(split: _Split, *args) -> tuple[jax.Array, jax.Array]:
+    """(output (B, T, H, K), log-sum-exp (B, T, H) float32)."""
+    return per_device(functools.partial(_forward, split), split.in_names, [_Q, _LSE])(*args)
+
+
+def _split_fwd(split: _Split, *args):
+    out, lse = _split_forward(split, *args)
+    return out, (args, out, lse)
+
+
+def _split_bwd(split: _Split, residuals, d_out):
+    args, out, lse = residuals
+    kernel = functools.partial(_backward, split)
+    with activation_sharding(*split.placement):  # the backward may be traced after the forward's block has closed
+        dq, dk, dv = per_device(kernel, [*split.in_names, _Q, _LSE, _Q], [_Q, split.kv_names, split.kv_names])(
+            *args, out, lse, d_out
+        )
+    return dq, dk, dv, None, None
+
+
+_split_attention.defvjp(_split_fwd, _split_bwd)
+
+
+def _forward(split: _Split, q, k, v, positions, segments) -> tuple[jax.Array, jax.Array]:
+    """Per device: q (b, t, H, K), k, v (b, t, G, K), positions (t,), segments (b, t) -> the output (b, t, H, K)
+    and log-sum-exp (b, t, H)."""
+    queries, keys, steps = _blocks(split, q, k, v, positions, segments)
+    out, lse = _ring_forward(split.axes, steps, split.window, queries, keys)
+    return from_blocks(out), _lse_from_blocks(lse)
+
+
+def _backward(split: _Split, q, k, v, positions, segments, out, lse, d_out):
+    """Per device: dq, dk, dv of `_forward`'s arguments from its output, log-sum-exp and the output's cotangent."""
+    queries, keys, steps = _blocks(split, q, k, v, positions, segments)
+    rows = (_lse_to_blocks(lse, queries[0].shape), _query_blocks(out, queries[0]), _query_blocks(d_out, queries[0]))
+    dq, dk, dv = _ring_backward(split.axes, steps, split.window, queries, keys, rows)
+    dk, dv = from_blocks(dk), from_blocks(dv)
+    if split.algorithm == "allgather":  # each device's share of the gathered keys' gradients, summed over devices
+        dk, dv = (jax.lax.psum_scatter(x, split.axes, scatter_dimension=1, tiled=True) for x in (dk, dv))
+    return from_blocks(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _blocks(split: _Split, q, k, v, positions, segments):
+    """Per device: (queries, keys, ring steps) in blocks. queries: q (n, b, G, J, s, K), positions (n, s) and
+    segments (n, b, s); keys: k, v (m, b, G, s, K), positions (m, s), segments (m, b, s). `allgather` gathers every
+    device's keys first and attends to them in one step; `ring` starts from its own and takes `ways` steps."""
+    block = block_len(q.shape[1])
     batch, local, heads, head_dim = q.shape
-    return to_blocks(q.reshape(batch, local, groups, heads // groups, head_dim), block), *_position_blocks(
-        positions, segments, block
-    )
+    groups = k.shape[2]
+    q = to_blocks(q.reshape(batch, local, groups, heads // groups, head_dim), block)
+    queries = (q, *_position_blocks(positions, segments, block))
+    if split.algorithm == "allgather":
+        k, v, positions, segments = (_gather(x, split.axes) for x in (k, v, positions, segments))
+    keys = (to_blocks(k, block), to_blocks(v, block), *_position_blocks(positions, segments, block))
+    return queries, keys, 1 if split.algorithm == "allgather" else split.ways
 
 
-def _key_blocks(k, v, positions, segments, block):
-    """Per device: k, v (b, t, G, K) -> (n, b, G, s, K), positions and segments as `_query_blocks`'."""
-    return to_blocks(k, block), to_blocks(v, block), *_position_blocks(positions, segments, block)
+def _gather(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Every device's x, along the sequence (dim 1, or 0 for positions), in device order."""
+    return jax.lax.all_gather(x, axes, axis=min(x.ndim - 1, 1), tiled=True)
 
 
 def _position_blocks(positions, segments, block):
     return positions.reshape(-1, block), to_blocks(segments, block)
 
 
-def _ring(q, k, v, positions, segments, *, axes, ways, window) -> jax.Array:
-    """Per device: q (b, t, H, K), k, v (b, t, G, K), positions (t,), segments (b, t) -> (b, t, H, K)."""
-    block = block_len(q.shape[1])
-    queries = _query_blocks(q, k.shape[2], positions, segments, block)
-    keys = _key_blocks(k, v, positions, segments, block)
-    return from_blocks(_ring_flash(axes, ways, window, queries, keys))
+def _query_blocks(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x (b, t, H, K) as blocks shaped `like` the query blocks (n, b, G, J, s, K)."""
+    count, batch, groups, per_group, block, head_dim = like.shape
+    return to_blocks(x.reshape(batch, count * block, groups, per_group, head_dim), block)
 
 
-def _allgather(q, k, v, positions, segments, *, axes, ways, window) -> jax.Array:
-    """As `_ring`, with every device's keys and values gathered first: one step over all of them. The gather's
-    transpose, a reduce-scatter, hands each device its share of dK and dV."""
-    block = block_len(q.shape[1])
-    queries = _query_blocks(q, k.shape[2], positions, segments, block)
-    gathered = (jax.lax.all_gather(x, axes, axis=1 if x.ndim > 1 else 0, tiled=True) for x in (k, v, positions, segments))
-    return from_blocks(_ring_flash(axes, 1, window, queries, _key_blocks(*gathered, block)))
+def _lse_from_blocks(lse: jax.Array) -> jax.Array:
+    """(n, b, G, J, s) -> (b, n x s, G x J)."""
+    count, batch, groups, per_group, block = lse.shape
+    return lse.transpose(1, 0, 4, 2, 3).reshape(batch, count * block, groups * per_group)
 
 
-# The ring's kernel on blocks, per device: queries (q (n, b, G, J, s, K), positions (n, s), segments (n, b, s)) and
-# keys (k, v (m, b, G, s, K), positions (m, s), segments (m, b, s)); the keys go round `ways` devices.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ring_flash(axes, ways, window, queries, keys) -> jax.Array:
-    return _ring_forward(axes, ways, window, queries, keys)[0]
+def _lse_to_blocks(lse: jax.Array, q_blocks_shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of `_lse_from_blocks`, for query blocks of `q_blocks_shape` (n, b, G, J, s, K)."""
+    count, batch, groups, per_group, block, _ = q_blocks_shape
+    return lse.reshape(batch, count, block, groups, per_group).transpose(1, 0, 3, 4, 2)
 
 
-def _ring_forward(axes, ways, window, queries, keys) -> tuple[jax.Array, jax.Array]:
-    """(output, log-sum-exp) of the queries over the keys of all `ways` devices."""
+def _ring_forward(axes, steps, window, queries, keys) -> tuple[jax.Array, jax.Array]:
+    """(output, log-sum-exp) of the query blocks over the keys of `steps` devices round the ring (1: the keys
+    here only)."""
     q = queries[0]
     state = empty_softmax_state(q.shape)
-    for step in range(ways):
-        arriving = _pass_on(keys, axes, ways) if step < ways - 1 else None  # issued first: overlaps the compute
+    for step in range(steps):
+        arriving = _pass_on(keys, axes, steps) if step < steps - 1 else None  # issued first: overlaps the compute
         state = _attend(window, state, queries, keys)
         keys = arriving
     return finish_softmax(state, q.dtype)
 
 
-def _ring_fwd(axes, ways, window, queries, keys):
-    out, lse = _ring_forward(axes, ways, window, queries, keys)
-    return out, (queries, keys, out, lse)
-
-
-def _ring_bwd(axes, ways, window, residuals, d_out):
-    """The keys go round again, each with its dK and dV, which every device adds to and which reach their own
-    device one step after the last; dQ stays."""
-    queries, keys, out, lse = residuals
+def _ring_backward(axes, steps, window, queries, keys, rows):
+    """dq, dk, dv (float32 blocks) of `_ring_forward`; `rows`: the query rows' (lse, out, d_out). The keys go round
+    again, each with its dK and dV, which every device adds to and which reach their own device one step after the
+    last; dQ stays."""
     q, k, v = queries[0], keys[0], keys[1]
+    lse, out, d_out = rows
     rows = (lse, output_dot(out, d_out), d_out)
     dq, dk, dv = jnp.zeros(q.shape), jnp.zeros(k.shape), jnp.zeros(v.shape)
-    for step in range(ways):
-        arriving = _pass_on(keys, axes, ways) if step < ways - 1 else None
+    for step in range(steps):
+        arriving = _pass_on(keys, axes, steps) if step < steps - 1 else None
         dq, dk, dv = _attend_backward(window, queries, keys, rows, dq, dk, dv)
-        dk, dv = _pass_on((dk, dv), axes, ways)
+        dk, dv = _pass_on((dk, dv), axes, steps)
         keys = arriving
-    return (dq.astype(q.dtype), None, None), (dk.astype(k.dtype), dv.astype(v.dtype), None, None)
-
-
-_ring_flash.defvjp(_ring_fwd, _ring_bwd)
+    return dq, dk, dv
 
 
 def _pass_on(arrays, axes: tuple[str, ...], ways: int):
@@ -182,14 +248,19 @@ def _attend(window, state, queries, keys):
     def query_block(args):
         q_i, positions_i, segments_i, state_i = args
 
-        def visit(j, state_i):
+        def visit(carry):
+            j, state_i = carry
+
             def step(state_i):
                 pairs = (segments_i, k_segments[j]), (positions_i, k_positions[j])
                 return online_softmax_step(window, state_i, q_i, k[j], v[j], *pairs)
 
-            return jax.lax.cond(visible(window, positions_i, k_positions[j]), step, lambda s: s, state_i)
+            return j + 1, jax.lax.cond(visible(window, positions_i, k_positions[j]), step, lambda s: s, state_i)
 
-        return jax.lax.fori_loop(0, k.shape[0], visit, state_i)
+        # A while loop, not a fori_loop of static length (a scan): linearizing the layers' scan, JAX kept a scan's
+        # scores and masks of every block pair as residuals, though this runs under a custom VJP (750 MB at
+        # T=8192 on context=4, where the kernel needs 27 MB); a while loop has none to keep.
+        return jax.lax.while_loop(lambda carry: carry[0] < k.shape[0], visit, (0, state_i))[1]
 
     return jax.lax.map(query_block, (*queries, state))
 

@@ -5,8 +5,8 @@ the compute dtype (G: the kv heads a device holds; all H query heads where the t
 the kernel then repeats K and V), and L32 the same in float32:
 - `ring`: the forward passes K and V on C - 1 times (2(C-1)L); the backward passes them on C - 1 times again and
   dK and dV, float32 accumulators, C times (2(C-1)L + 2C L32).
-- `allgather`: the forward gathers K and V ((C-1)/C of 2CL: 2(C-1)L); the backward reduce-scatters dK and dV in the
-  compute dtype (2(C-1)L).
+- `allgather`: the forward gathers K and V ((C-1)/C of 2CL: 2(C-1)L); the backward gathers them again (it keeps
+  only the device's own) and reduce-scatters dK and dV in the compute dtype (2(C-1)L each).
 A remat policy other than `none` runs each layer's forward again in the backward, with its transfers. Positions and
 segment ids travel with the blocks, but once per step (they are the same in every layer): under 1% at any useful
 head dim, and left out. Under a pipeline the layers divide over the stages and idle ticks add placeholder traffic,
@@ -42,7 +42,7 @@ def context_attention_bytes(cfg: RunConfig, plan: Plan) -> list[Transfer]:
         return [Transfer(axes, "collective-permute", forward + backward, "attention K/V blocks (ring)")]
     backward = model.n_layers * 2 * (ways - 1) * block
     return [
-        Transfer(axes, "all-gather", forward, "attention K/V (allgather)"),
+        Transfer(axes, "all-gather", forward + backward, "attention K/V (allgather)"),
         # XLA:CPU writes this one as a reduce-scatter too (a psum_scatter inside shard_map).
         Transfer(axes, "reduce-scatter", backward, "attention dK/dV (allgather)", ("reduce-scatter", backward)),
     ]

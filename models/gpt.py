@@ -73,7 +73,9 @@ class GPTConfig(Settings):
     remat: str = setting("none", "what the backward pass recomputes per block", choices=REMAT_POLICIES)
     attention: str = setting("auto", "how attention is computed (jaxtrain.ops.attention)", choices=IMPLEMENTATIONS)
     context_parallel: str = setting(
-        "ring", "attention where the mesh splits the sequence (a context axis): ring or allgather", choices=CONTEXT_PARALLEL
+        "ring",
+        "attention where the mesh splits the sequence (a context axis): ring or allgather",
+        choices=CONTEXT_PARALLEL,
     )
     sliding_window: int = setting(0, "attend to at most this many latest tokens; 0: every earlier one", at_least=0)
     rope_base: float = setting(10_000.0, "rotary positions' base wavelength", above=0)
@@ -422,4 +424,3 @@ class GPT(nnx.Module):
 
         x, cache = jax.lax.scan(layer, self.embed(tokens), (block_params, cache))
         return self.unembed(x), {name: constrain(value, CACHE_NAMES) for name, value in cache.items()}
-

@@ -72,12 +72,15 @@ DEFAULT_CASES = [
     ("context=2,tensor=2,data=2", "ring", False, ()),
 ]
 SLOW_CASES = [
-    (mesh, algorithm, packing, ())
-    for mesh in ("context=4", "context=2,tensor=2,data=2", "fsdp=2,context=4")
-    for algorithm in ("ring", "allgather")
-    for packing in (False, True)
-    if (mesh, algorithm, packing, ()) not in DEFAULT_CASES
-] + [("fsdp=2,context=4", "ring", True, ("grad_accum=2", "batch_size=4"))]
+    ("context=4", "ring", False, ()),
+    ("context=4", "allgather", False, ()),
+    ("context=2,tensor=2,data=2", "ring", True, ()),
+    ("context=2,tensor=2,data=2", "allgather", True, ()),
+    ("fsdp=2,context=4", "ring", True, ()),
+    ("fsdp=2,context=4", "allgather", False, ()),
+    # Accumulation of packed pieces is a mean of unequally weighted means, on one device too: unpacked here.
+    ("fsdp=2,context=4", "ring", False, ("grad_accum=2", "batch_size=4")),
+]
 
 
 @pytest.mark.parametrize("mesh,algorithm,packing,overrides", DEFAULT_CASES)
@@ -166,7 +169,7 @@ def test_sequence_the_context_size_does_not_divide_is_named():
 def test_attention_that_cannot_split_the_sequence_is_named():
     run = make_run("context=4", ["seq_len=64", "attention=reference"], devices=4)
     with pytest.raises(AttentionError, match="'reference' cannot run under context parallelism .*4 ways over mesh "):
-        run.compiled_grad
+        _ = run.compiled_grad  # traced on first use
 
 
 def test_model_without_sequences_refuses_a_context_axis():
@@ -177,7 +180,8 @@ def test_model_without_sequences_refuses_a_context_axis():
 @pytest.mark.slow
 def test_pipeline_with_context_equals_one_device():
     for algorithm in ("ring", "allgather"):
-        assert_equals_one_device("pipeline=2,context=2,data=2", algorithm, False, overrides=("microbatches=2",))
+        overrides = ("microbatches=2", "batch_size=4")  # microbatches of 2 rows, split over data=2
+        assert_equals_one_device("pipeline=2,context=2,data=2", algorithm, False, overrides=overrides)
 
 
 CHECKPOINTED = ["batch_size=8", "seq_len=64", "warmup_steps=1", "learning_rate=0.01", "steps=4", "log_every=1"]

@@ -110,6 +110,7 @@ class _Split:
     window: int | None
     in_names: tuple
     placement: tuple = dataclasses.field(compare=False)  # the forward's mesh and rules, for the backward
+
     @property
     def kv_names(self) -> tuple:
         return self.in_names[1]

@@ -7,7 +7,8 @@ the kernel then repeats K and V), and L32 the same in float32:
   dK and dV, float32 accumulators, C times (2(C-1)L + 2C L32).
 - `allgather`: the forward gathers K and V ((C-1)/C of 2CL: 2(C-1)L); the backward gathers them again (it keeps
   only the device's own) and reduce-scatters dK and dV in the compute dtype (2(C-1)L each).
-A remat policy other than `none` runs each layer's forward again in the backward, with its transfers. Positions and
+A remat policy recomputes the forward in the backward, but not its transfers: models apply remat with
+prevent_cse=False and XLA reuses the forward's results (measured: the same bytes under remat=full). Positions and
 segment ids travel with the blocks, but once per step (they are the same in every layer): under 1% at any useful
 head dim, and left out. Under a pipeline the layers divide over the stages and idle ticks add placeholder traffic,
 which this model does not count.
@@ -35,8 +36,7 @@ def context_attention_bytes(cfg: RunConfig, plan: Plan) -> list[Transfer]:
         return []
     ways = math.prod(plan.mesh.shape[a] for a in axes)
     block = _kv_block_bytes(cfg, plan, ways)
-    layers = model.n_layers * (2 if model.remat != "none" else 1)  # forwards: again in the backward under remat
-    forward = layers * 2 * (ways - 1) * block
+    forward = model.n_layers * 2 * (ways - 1) * block
     if model.context_parallel == "ring":
         backward = model.n_layers * (2 * (ways - 1) * block + 2 * ways * block * 4 / _itemsize(model.dtype))
         return [Transfer(axes, "collective-permute", forward + backward, "attention K/V blocks (ring)")]

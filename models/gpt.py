@@ -336,7 +336,9 @@ class GPT(nnx.Module):
             self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        """tokens (B, T) -> logits (B, T, V) float32; `segment_ids` (B, T) for packed documents."""
+        """tokens (B, T) -> logits (B, T, V) float32; `segment_ids` (B, T) for packed documents. Where the mesh
+        splits the sequence (context parallelism) tokens and logits are in its layout (`jaxtrain.ops.sequence`);
+        `loss` lays its batch out itself."""
         return self.unembed(self.hidden(tokens, segment_ids))
 
     def hidden(

@@ -30,12 +30,27 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.errors import UserInputError
+from jaxtrain.ops.blockwise import (
+    CHUNK,
+    MASKED,
+    attends,
+    block_gradients,
+    block_positions,
+    einsum32,
+    empty_softmax_state,
+    finish_softmax,
+    from_blocks,
+    kv_split_like_q,
+    online_softmax_step,
+    output_dot,
+    pad_seq,
+    to_blocks,
+)
+from jaxtrain.ops.context_attention import context_attention, sequence_axes
 from jaxtrain.ops.plain import is_plain
-from jaxtrain.sharding.constraints import activation_spec, active_mesh, per_device
+from jaxtrain.sharding.constraints import active_mesh, per_device
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash", "chunked")
-# How attention runs where the activation rules split the sequence over devices (`jaxtrain.ops.context_attention`).
-CONTEXT_PARALLEL = ("ring", "allgather")
 # From this sequence length on, `auto` picks `chunked` over `reference` on CPU. Measured on this project's 2-core
 # CI-class machine, forward + backward of attention alone, float32, best of 3 (seconds, reference / chunked):
 #   B=1 H=8 G=4 K=64:  T=64 .0014/.0013, 128 .0056/.0022, 256 .0165/.0096, 512 .212/.085, 1024 .66/.40, 4096 11.4/3.0
@@ -43,16 +58,10 @@ CONTEXT_PARALLEL = ("ring", "allgather")
 # Below 512 the winner depends on the head shape and the margins are small; from 512 on chunked wins or nearly ties,
 # and from 1024 on it wins by 1.5-4x (and its memory stays linear). How it was timed: docs/attention.md.
 CPU_CHUNKED_FROM_SEQ = 512
-CHUNK = 512  # `chunked` block length: (B, H, 512, 512) float32 scores per block pair
 _SPLASH_BLOCK = 128  # the splash kernel's blocks are multiples of the TPU's 128 lanes
-_MASKED = -1e30  # finite, so a fully masked row gives zeros, not NaN, in the online softmax and its gradient
 _Q = ("batch", None, "heads", None)  # q and the output on each device: the sequence and head dim stay whole
 _SEGMENTS = ("batch", None)
 _KERNEL_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}  # the kernels that run on one platform only
-
-
-# Products accumulate in float32 whatever the inputs' dtype (the softmax statistics are float32).
-_einsum32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
 
 
 class AttentionError(UserInputError):
@@ -78,10 +87,8 @@ def attention(
     devices; q, k, v and segment_ids are then in the layout of `jaxtrain.ops.sequence`.
     """
     _check_inputs(q, k, v, segment_ids, sliding_window)
-    from jaxtrain.ops import context_attention as split  # imported here: it builds on this module's kernels
-
-    if split.sequence_axes(q.shape[1]):
-        return split.context_attention(
+    if sequence_axes(q.shape[1]):
+        return context_attention(
             q, k, v, segment_ids, sliding_window, algorithm=context_parallel, implementation=implementation
         )
     platform = "tpu" if interpret else _platform()
@@ -157,7 +164,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     rows = q.reshape(batch, q_len, groups, per_group, head_dim).transpose(0, 3, 1, 2, 4)
     rows = rows.reshape(batch, per_group * q_len, groups, head_dim)  # (B, H/G x Tq, G, K)
     scores = _query_key_scores(rows, k) / math.sqrt(head_dim)  # (B, G, H/G x Tq, Tk)
-    scores = jnp.where(jnp.tile(mask, (1, per_group, 1))[:, None], scores, _MASKED)
+    scores = jnp.where(jnp.tile(mask, (1, per_group, 1))[:, None], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bgrs,bsgk->brgk", probs, v).reshape(batch, per_group, q_len, groups, head_dim)
     return out.transpose(0, 2, 3, 1, 4).reshape(batch, q_len, heads, head_dim).astype(q.dtype)
@@ -166,7 +173,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
 @jax.custom_vjp
 def _query_key_scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """q (B, R, G, K) . k (B, S, G, K) -> scores (B, G, R, S) float32, whatever q's dtype."""
-    return _einsum32("brgk,bsgk->bgrs", q, k)
+    return einsum32("brgk,bsgk->bgrs", q, k)
 
 
 def _query_key_scores_fwd(q, k):
@@ -178,8 +185,8 @@ def _query_key_scores_bwd(residuals, d_scores):
     # first (as FlashAttention does), so that in bfloat16 they run at bfloat16's rate; in float32 nothing changes.
     q, k = residuals
     d_scores = d_scores.astype(q.dtype)
-    dq = _einsum32("bgrs,bsgk->brgk", d_scores, k).astype(q.dtype)
-    dk = _einsum32("bgrs,brgk->bsgk", d_scores, q).astype(k.dtype)
+    dq = einsum32("bgrs,bsgk->brgk", d_scores, k).astype(q.dtype)
+    dk = einsum32("bgrs,brgk->bsgk", d_scores, q).astype(k.dtype)
     return dq, dk
 
 
@@ -190,16 +197,8 @@ def causal_mask(seq_len: int, segment_ids: jax.Array | None = None, sliding_wind
     """(B or 1, T, T) bool: query t may attend key s (causal, within its segment and the window)."""
     positions = jnp.arange(seq_len)
     same_segment = None if segment_ids is None else segment_ids[:, :, None] == segment_ids[:, None, :]
-    mask = _allowed(positions, positions, same_segment, sliding_window)
+    mask = attends(positions, positions, same_segment, sliding_window)
     return mask if mask.ndim == 3 else mask[None]
-
-
-def _allowed(q_pos: jax.Array, k_pos: jax.Array, same_segment: jax.Array | None, window: int | None) -> jax.Array:
-    """(..., Tq, Tk) bool from query and key positions: causal, within the window, within the segment."""
-    ok = q_pos[:, None] >= k_pos[None, :]
-    if window is not None:
-        ok &= q_pos[:, None] - k_pos[None, :] < window
-    return ok if same_segment is None else ok & same_segment
 
 
 def _check_inputs(q, k, v, segment_ids, sliding_window) -> None:
@@ -345,16 +344,6 @@ def _segment_offsets(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return offsets.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
-def kv_split_like_q(q, k, v, seq: str | None = None) -> tuple[jax.Array, jax.Array, tuple]:
-    """k, v and the dim names to split them by for a per-device kernel: each device must hold the kv heads of its
-    own query heads. Where the rules split query heads but not kv heads (tensor does not divide G), k and v are
-    repeated to H heads and split like the queries. `seq`: the name their sequence dim goes by (None: whole)."""
-    if activation_spec(("heads",), (q.shape[2],)) == activation_spec(("kv_heads",), (k.shape[2],)):
-        return k, v, ("batch", seq, "kv_heads", None)
-    repeats = q.shape[2] // k.shape[2]
-    return jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2), ("batch", seq, "heads", None)
-
-
 def _splash(q, k, v, segment_ids, window, *, interpret: bool) -> jax.Array:
     k, v, kv_names = kv_split_like_q(q, k, v)
     kernel = functools.partial(_splash_per_device, window=window, interpret=interpret)
@@ -371,8 +360,8 @@ def _splash_per_device(q, k, v, segment_ids=None, *, window, interpret) -> jax.A
     padded = -(-seq_len // _SPLASH_BLOCK) * _SPLASH_BLOCK
     # The kernel takes one example's (heads, T, K), T a multiple of its blocks, and leaves scaling to the caller.
     # Padding goes at the end, where causality hides it from every real query.
-    q, k, v = (_pad_seq(x, padded).transpose(0, 2, 1, 3) for x in (q * (1 / math.sqrt(head_dim)), k, v))
-    segments = None if segment_ids is None else _pad_seq(segment_ids, padded)
+    q, k, v = (pad_seq(x, padded).transpose(0, 2, 1, 3) for x in (q * (1 / math.sqrt(head_dim)), k, v))
+    segments = None if segment_ids is None else pad_seq(segment_ids, padded)
     kernel = _splash_kernel(heads, padded, window, interpret)
 
     def one_example(q, k, v, segments):
@@ -397,12 +386,6 @@ def _splash_kernel(heads: int, seq_len: int, window: int | None, interpret: bool
     return splash.make_splash_mha(
         masks.MultiHeadMask([one_head] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
     )
-
-
-def _pad_seq(x: jax.Array, length: int, value: int = 0) -> jax.Array:
-    """x (B, T, ...) padded at the end of T to `length`."""
-    widths = [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def chunked_attention(
@@ -435,22 +418,6 @@ def chunked_attention(
     return from_blocks(out)[:, :seq_len]
 
 
-def to_blocks(x: jax.Array, block: int, padded: int | None = None, value: int = 0) -> jax.Array:
-    """x (B, T, *rest), padded at its end to `padded` positions, as blocks of `block` positions along a new leading
-    dim, the block's positions second to last: (n, B, *rest[:-1], block, rest[-1]), or (n, B, block) for rest = ()."""
-    batch, seq_len = x.shape[:2]
-    padded = padded or seq_len
-    x = _pad_seq(x, padded, value).reshape(batch, padded // block, block, *x.shape[2:])
-    return jnp.moveaxis(x, (1, 2), (0, -2 if x.ndim > 3 else -1))
-
-
-def from_blocks(x: jax.Array) -> jax.Array:
-    """The inverse of `to_blocks` for query-shaped (n, B, G, J, b, K) -> (B, n x b, G x J, K) and key-shaped
-    (n, B, G, b, K) -> (B, n x b, G, K) blocks."""
-    count, batch, block, head_dim = x.shape[0], x.shape[1], x.shape[-2], x.shape[-1]
-    return jnp.moveaxis(x, (0, -2), (1, 2)).reshape(batch, count * block, -1, head_dim)
-
-
 def _chunked(q, k, v, segment_ids, window) -> jax.Array:
     return chunked_attention(q, k, v, segment_ids=segment_ids, sliding_window=window)
 
@@ -477,41 +444,6 @@ def _flash_forward(window, q, k, v, segments) -> tuple[jax.Array, jax.Array]:
         return finish_softmax(jax.lax.fori_loop(_first_key_block(i, window, block), i + 1, visit, init), q.dtype)
 
     return jax.lax.map(query_block, jnp.arange(q.shape[0]))
-
-
-# The running state of a block of query rows in the online softmax: (max, sum of exp, exp-weighted values), float32,
-# shapes (B, G, J, b), (B, G, J, b), (B, G, J, b, K).
-SoftmaxState = tuple[jax.Array, jax.Array, jax.Array]
-
-
-def block_positions(count: int, block: int) -> jax.Array:
-    """(n, b): the positions of `count` contiguous blocks of `block` positions."""
-    return jnp.arange(count * block).reshape(count, block)
-
-
-def empty_softmax_state(q_block_shape: tuple[int, ...]) -> SoftmaxState:
-    """The online softmax's state of query rows that have seen no key yet; q_block_shape (B, G, J, b, K)."""
-    rows = q_block_shape[:-1]
-    return jnp.full(rows, _MASKED), jnp.zeros(rows), jnp.zeros(q_block_shape)
-
-
-def online_softmax_step(window, state, q_block, k_block, v_block, segments, positions) -> SoftmaxState:
-    """`state` after the query rows of q_block (B, G, J, b, K) have also seen the keys of k_block, v_block
-    (B, G, s, K); `segments` and `positions` are (query, key) pairs of (B, b) and (b,) arrays."""
-    top, total, acc = state  # running max, sum of exp and weighted values of this block's rows
-    scores, allowed = _block_scores(window, q_block, k_block, *segments, *positions)
-    new_top = jnp.maximum(top, scores.max(axis=-1))
-    probs = jnp.where(allowed, jnp.exp(scores - new_top[..., None]), 0.0)
-    rescale = jnp.exp(top - new_top)
-    total = total * rescale + probs.sum(axis=-1)
-    values = _einsum32("bgjqs,bgsk->bgjqk", probs.astype(v_block.dtype), v_block)
-    return new_top, total, acc * rescale[..., None] + values
-
-
-def finish_softmax(state: SoftmaxState, dtype) -> tuple[jax.Array, jax.Array]:
-    """(output in `dtype`, log-sum-exp) of rows that have seen every key they attend to (at least one each)."""
-    top, total, acc = state
-    return (acc / total[..., None]).astype(dtype), top + jnp.log(total)
 
 
 def _flash_fwd(window, q, k, v, segments):
@@ -548,40 +480,11 @@ def _flash_bwd(window, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def output_dot(out: jax.Array, d_out: jax.Array) -> jax.Array:
-    """FlashAttention-2's delta, each row's d_out . out (..., b) float32, of query-shaped (..., b, K) arrays."""
-    return jnp.einsum("...qk,...qk->...q", d_out.astype(jnp.float32), out.astype(jnp.float32))
-
-
-def block_gradients(window, q_block, k_block, v_block, segments, positions, residuals):
-    """(dq of q_block, dk and dv of k_block and v_block), float32, from one query block against one key block: the
-    probabilities recomputed from the rows' log-sum-exp. `residuals`: the query rows' (lse, delta, d_out)."""
-    lse, delta, d_out = residuals
-    scores, allowed = _block_scores(window, q_block, k_block, *segments, *positions)
-    probs = jnp.where(allowed, jnp.exp(scores - lse[..., None]), 0.0)  # (B, G, J, b, s)
-    dv = _einsum32("bgjqs,bgjqk->bgsk", probs.astype(d_out.dtype), d_out)
-    d_probs = _einsum32("bgjqk,bgsk->bgjqs", d_out, v_block)
-    scale = 1 / math.sqrt(q_block.shape[-1])
-    d_scores = (probs * (d_probs - delta[..., None]) * scale).astype(q_block.dtype)  # w.r.t. q.k, scale in
-    dk = _einsum32("bgjqs,bgjqk->bgsk", d_scores, q_block)
-    return _einsum32("bgjqs,bgsk->bgjqk", d_scores, k_block), dk, dv
-
-
 def _varying_like(init, *arrays):
     """`init` typed as varying over every manual mesh axis that `arrays` vary over: inside a shard_map (e.g. the
     pipeline's) a loop's carry must keep the type the body gives it."""
     axes = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in arrays))))
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), init) if axes else init
-
-
-def _block_scores(window, q_block, k_block, q_segments, k_segments, q_pos, k_pos) -> tuple[jax.Array, jax.Array]:
-    """Scaled scores (B, G, J, b, s) float32 of a query block against a key block whose positions in the sequence
-    are q_pos (b,) and k_pos (s,), masked, and the mask."""
-    scores = _einsum32("bgjqk,bgsk->bgjqs", q_block, k_block)
-    scores = scores / math.sqrt(q_block.shape[-1])
-    same_segment = (q_segments[:, :, None] == k_segments[:, None, :])[:, None, None]  # (B, 1, 1, b, s)
-    allowed = _allowed(q_pos, k_pos, same_segment, window)
-    return jnp.where(allowed, scores, _MASKED), allowed
 
 
 def _first_key_block(i, window: int | None, block: int):

@@ -7,9 +7,13 @@ device holds T/C positions of every sequence, in the zig-zag layout of `jaxtrain
 - `ring`: C steps. At each, a device attends its queries to the key/value block it holds, while that block moves on
   to the next device (`ppermute`; the transfer is issued before the block's compute, so the two can overlap). The
   backward sends the blocks round again with their dK and dV, which arrive home after the last step. Memory: one
-  extra block; bytes per device and layer: (C-1)/C of K and V forward, K, V, dK and dV backward.
-- `allgather`: gather K and V over the axis, attend the local queries to all of them; the backward reduce-scatters
-  dK and dV. Simpler, and at moderate lengths as fast: one collective instead of C-1 dependent steps.
+  block in flight. Bytes per device and layer: C-1 blocks of K and V forward; as many backward, and C of dK, dV.
+- `allgather`: gather K and V over the axis and attend the local queries to all of them; the backward gathers them
+  again (only the device's own are kept) and reduce-scatters dK and dV. Simpler, and at moderate lengths as fast:
+  one collective instead of C-1 dependent steps.
+
+The custom VJP wraps the per-device programs (`per_device`), so the forward and the backward are each one
+`shard_map`; `jaxtrain.planner.context` models the bytes they send.
 
 Both compute with the blockwise online softmax of the `chunked` kernel (`jaxtrain.ops.attention`), on blocks of at
 most 512 positions inside the zig-zag chunks, and skip a block pair no query of which may see any key: per device
@@ -26,10 +30,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.ops.attention import (
+from jaxtrain.errors import UserInputError
+from jaxtrain.ops.blockwise import (
     CHUNK,
-    CONTEXT_PARALLEL,
-    AttentionError,
     block_gradients,
     empty_softmax_state,
     finish_softmax,
@@ -48,12 +51,17 @@ from jaxtrain.sharding.constraints import (
     split_ways,
 )
 
+CONTEXT_PARALLEL = ("ring", "allgather")
 # The implementations a model may ask for under context parallelism: the algorithms compute attention blockwise
 # themselves, with `chunked`'s math; `auto` picks them.
 RUNS_SPLIT = ("auto", "chunked")
 _Q = ("batch", "seq", "heads", None)
 _SEGMENTS = ("batch", "seq")
 _LSE = ("batch", "seq", "heads")
+
+
+class ContextParallelError(UserInputError):
+    """An algorithm or attention implementation that cannot run on a sequence split over devices."""
 
 
 def sequence_axes(seq_len: int) -> tuple[str, ...]:
@@ -81,11 +89,11 @@ def context_attention(q, k, v, segment_ids, window, *, algorithm: str, implement
 def _check(algorithm: str, implementation: str, axes: tuple[str, ...], ways: int) -> None:
     where = f"the sequence is split {ways} ways over mesh axis {'+'.join(axes)}"
     if algorithm not in CONTEXT_PARALLEL:
-        raise AttentionError(
+        raise ContextParallelError(
             f"context_parallel='{algorithm}' is unknown ({where}); choose one of {', '.join(CONTEXT_PARALLEL)}."
         )
     if implementation not in RUNS_SPLIT:
-        raise AttentionError(
+        raise ContextParallelError(
             f"attention implementation '{implementation}' cannot run under context parallelism ({where}): "
             f"context_parallel={algorithm} computes attention blockwise itself. Use attention=auto or chunked, or "
             f"a mesh without a context axis."
@@ -116,7 +124,6 @@ class _Split:
         return self.in_names[1]
 
 
-# The custom VJP wraps the shard_maps: the backward is then its own per-device program.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _split_attention(split: _Split, q, k, v, positions, segments) -> jax.Array:
     return _split_forward(split, q, k, v, positions, segments)[0]

@@ -46,6 +46,7 @@ from jaxtrain.ops.blockwise import (
     pad_seq,
     to_blocks,
 )
+from jaxtrain.ops.context_attention import CONTEXT_PARALLEL as CONTEXT_PARALLEL  # the model's choices, from here
 from jaxtrain.ops.context_attention import context_attention, sequence_axes
 from jaxtrain.ops.plain import is_plain
 from jaxtrain.sharding.constraints import active_mesh, per_device

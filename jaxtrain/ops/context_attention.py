@@ -166,7 +166,7 @@ def _backward(split: _Split, q, k, v, positions, segments, out, lse, d_out):
     rows = (_lse_to_blocks(lse, queries[0].shape), _query_blocks(out, queries[0]), _query_blocks(d_out, queries[0]))
     dq, dk, dv = _ring_backward(split.axes, steps, split.window, queries, keys, rows)
     dk, dv = from_blocks(dk), from_blocks(dv)
-    if split.algorithm == "allgather":  # each device's share of the gathered keys' gradients, summed over devices
+    if split.algorithm == "allgather":  # each device's share of the gathered keys' gradients, summed in float32
         dk, dv = (jax.lax.psum_scatter(x, split.axes, scatter_dimension=1, tiled=True) for x in (dk, dv))
     return from_blocks(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 

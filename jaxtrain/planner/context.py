@@ -6,7 +6,7 @@ the kernel then repeats K and V), and L32 the same in float32:
 - `ring`: the forward passes K and V on C - 1 times (2(C-1)L); the backward passes them on C - 1 times again and
   dK and dV, float32 accumulators, C times (2(C-1)L + 2C L32).
 - `allgather`: the forward gathers K and V ((C-1)/C of 2CL: 2(C-1)L); the backward gathers them again (it keeps
-  only the device's own) and reduce-scatters dK and dV in the compute dtype (2(C-1)L each).
+  only the device's own) and reduce-scatters dK and dV, summed in float32 (2(C-1)L + 2(C-1)L32).
 A remat policy recomputes the forward in the backward, but not its transfers: models apply remat with
 prevent_cse=False and XLA reuses the forward's results (measured: the same bytes under remat=full). Positions and
 segment ids travel with the blocks, but once per step (they are the same in every layer): under 1% at any useful
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
+import jax.numpy as jnp
 
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.run_config import RunConfig
@@ -40,11 +40,11 @@ def context_attention_bytes(cfg: RunConfig, plan: Plan) -> list[Transfer]:
     if model.context_parallel == "ring":
         backward = model.n_layers * (2 * (ways - 1) * block + 2 * ways * block * 4 / _itemsize(model.dtype))
         return [Transfer(axes, "collective-permute", forward + backward, "attention K/V blocks (ring)")]
-    backward = model.n_layers * 2 * (ways - 1) * block
+    scattered = model.n_layers * 2 * (ways - 1) * block * 4 / _itemsize(model.dtype)
     return [
-        Transfer(axes, "all-gather", forward + backward, "attention K/V (allgather)"),
+        Transfer(axes, "all-gather", 2 * forward, "attention K/V (allgather)"),  # again in the backward
         # XLA:CPU writes this one as a reduce-scatter too (a psum_scatter inside shard_map).
-        Transfer(axes, "reduce-scatter", backward, "attention dK/dV (allgather)", ("reduce-scatter", backward)),
+        Transfer(axes, "reduce-scatter", scattered, "attention dK/dV (allgather)", ("reduce-scatter", scattered)),
     ]
 
 
@@ -58,4 +58,4 @@ def _kv_block_bytes(cfg: RunConfig, plan: Plan, ways: int) -> float:
 
 
 def _itemsize(dtype: str) -> int:
-    return np.dtype(dtype).itemsize
+    return jnp.dtype(dtype).itemsize  # bfloat16 too, which numpy does not know

@@ -39,8 +39,9 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.ops.attention import IMPLEMENTATIONS, attention, masked_attention
+from jaxtrain.ops.attention import CONTEXT_PARALLEL, IMPLEMENTATIONS, attention, masked_attention
 from jaxtrain.ops.cross_entropy import output_cross_entropy
+from jaxtrain.ops.sequence import next_tokens, segment_positions
 from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
 from jaxtrain.sharding.constraints import constrain, scan_layers
 
@@ -71,6 +72,11 @@ class GPTConfig(Settings):
     dtype: str = setting("bfloat16", "compute dtype; params stay float32", choices=COMPUTE_DTYPES)
     remat: str = setting("none", "what the backward pass recomputes per block", choices=REMAT_POLICIES)
     attention: str = setting("auto", "how attention is computed (jaxtrain.ops.attention)", choices=IMPLEMENTATIONS)
+    context_parallel: str = setting(
+        "ring",
+        "attention where the mesh splits the sequence (a context axis): ring or allgather",
+        choices=CONTEXT_PARALLEL,
+    )
     sliding_window: int = setting(0, "attend to at most this many latest tokens; 0: every earlier one", at_least=0)
     rope_base: float = setting(10_000.0, "rotary positions' base wavelength", above=0)
     rope_scaling: str = setting("none", "RoPE frequency scaling: none, or llama3 (Llama 3.1+)", choices=ROPE_SCALINGS)
@@ -214,13 +220,6 @@ class Context(NamedTuple):
     segment_ids: jax.Array | None = None  # (B, T)
 
 
-def segment_positions(segment_ids: jax.Array) -> jax.Array:
-    """Each token's position within its document, (B, T): counting restarts where the segment id changes."""
-    t = jnp.arange(segment_ids.shape[1])
-    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
-    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
-
-
 def residual_std(cfg: GPTConfig) -> float:
     """Init scale of the weights that write to the residual stream: GPT-2's, shrinking with depth."""
     return 0.02 / (2 * cfg.n_layers) ** 0.5
@@ -262,11 +261,12 @@ class Block(nnx.Module):
     def attend(self, x: jax.Array, context: Context) -> jax.Array:
         """Causal self-attention of the normed stream x (B, T, D), within documents where the context has them."""
         q, k, v = self.project_qkv(x, context.rope)
-        window = self.cfg.sliding_window or None
-        kind = self.cfg.attention
-        return self.project_out(
-            attention(q, k, v, implementation=kind, segment_ids=context.segment_ids, sliding_window=window)
-        )
+        cfg = self.cfg
+        mixed = attention(
+            q, k, v, implementation=cfg.attention, segment_ids=context.segment_ids,
+            sliding_window=cfg.sliding_window or None, context_parallel=cfg.context_parallel,
+        )  # fmt: skip
+        return self.project_out(mixed)
 
     def decode(self, x: jax.Array, rope: Rope, cache: dict, positions: jax.Array) -> tuple[jax.Array, dict]:
         """The layer on N new tokens per row (x (B, N, D) at `positions` (B, N)) over this layer's KV cache
@@ -336,22 +336,29 @@ class GPT(nnx.Module):
             self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        """tokens (B, T) -> logits (B, T, V) float32; `segment_ids` (B, T) for packed documents."""
+        """tokens (B, T) -> logits (B, T, V) float32; `segment_ids` (B, T) for packed documents. Where the mesh
+        splits the sequence (context parallelism) tokens and logits are in its layout (`jaxtrain.ops.sequence`);
+        `loss` lays its batch out itself."""
         return self.unembed(self.hidden(tokens, segment_ids))
 
-    def hidden(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        """The residual stream after the last block, (B, T, D) in the compute dtype."""
-        layer, block_params = self.layer_stack(self.context(tokens.shape[1], segment_ids))
+    def hidden(
+        self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
+        """The residual stream after the last block, (B, T, D) in the compute dtype. `positions` (B or 1, T): each
+        token's position for RoPE, where they are not 0..T-1 (or, with `segment_ids`, counted within documents)."""
+        layer, block_params = self.layer_stack(self.context(tokens.shape[1], segment_ids, positions))
         return scan_layers(layer, self.embed(tokens), block_params)
 
     def embed(self, tokens: jax.Array) -> jax.Array:  # tokens: (B, T) -> (B, T, D) in the compute dtype
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
         return constrain(x, ("batch", "seq", "embed"))
 
-    def context(self, seq_len: int, segment_ids: jax.Array | None = None) -> Context:
-        if segment_ids is None:
-            return Context(Rope.at(jnp.arange(seq_len)[None], rope_frequencies(self.cfg)))
-        return Context(Rope.at(segment_positions(segment_ids), rope_frequencies(self.cfg)), segment_ids)
+    def context(
+        self, seq_len: int, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> Context:
+        if positions is None:
+            positions = jnp.arange(seq_len)[None] if segment_ids is None else segment_positions(segment_ids)
+        return Context(Rope.at(positions, rope_frequencies(self.cfg)), segment_ids)
 
     def layer_stack(self, context: Context) -> tuple[Callable, Any]:
         """One layer as a function of (x, that layer's params), with the remat policy applied, and the stacked
@@ -378,20 +385,20 @@ class GPT(nnx.Module):
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Mean next-token cross-entropy (nats/token). batch["tokens"]: (B, T + 1); optional
         batch["segment_ids"] (B, T + 1), 0 for padding: targets in another document than their input, or padding,
-        do not count."""
-        tokens, segments = batch["tokens"], batch.get("segment_ids")
-        hidden = self.hidden(tokens[:, :-1], None if segments is None else segments[:, :-1])
-        return self.next_token_loss(hidden, tokens, target_weights(segments)), {}
+        do not count. The positions are in the devices' sequence layout (`jaxtrain.ops.sequence`)."""
+        batch = next_tokens(batch)
+        hidden = self.hidden(batch.inputs, batch.segment_ids, batch.positions)
+        return self.next_token_loss(hidden, batch.targets, batch.weights), {}
 
-    def next_token_loss(self, hidden: jax.Array, tokens: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    def next_token_loss(self, hidden: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
         """Mean cross-entropy, weighted, of the head's logits of `hidden` (B, T, D), the last block's output,
-        against the next tokens, tokens[:, 1:] (B, T). Computed a chunk of positions at a time, so the (B, T, V)
+        against `targets` (B, T), the next tokens. Computed a chunk of positions at a time, so the (B, T, V)
         logits are never held at once (`jaxtrain.ops.cross_entropy`); equal to the loss of `unembed`'s logits."""
         x = rms_norm(hidden, self.final_norm[...], self.cfg.norm_eps)
         weights_matrix, layout = self.head_matrix()
         whole = None if self.cfg.chunked_loss else x.shape[1]  # one chunk: the plain program
         total, count = output_cross_entropy(
-            x, weights_matrix, tokens[:, 1:], weights=weights, head_layout=layout, chunk_len=whole
+            x, weights_matrix, targets, weights=weights, head_layout=layout, chunk_len=whole
         )
         return total / jnp.maximum(count, 1.0)
 
@@ -419,12 +426,3 @@ class GPT(nnx.Module):
 
         x, cache = jax.lax.scan(layer, self.embed(tokens), (block_params, cache))
         return self.unembed(x), {name: constrain(value, CACHE_NAMES) for name, value in cache.items()}
-
-
-def target_weights(segment_ids: jax.Array | None) -> jax.Array | None:
-    """Which next-token targets count, (B, T) float32, from a packed row's segment ids (B, T + 1): a target in its
-    input's document and not padding (id 0). None without segment ids: every target counts."""
-    if segment_ids is None:
-        return None
-    same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
-    return same.astype(jnp.float32)

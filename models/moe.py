@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.ops.sequence import next_tokens
 from jaxtrain.settings import setting
 from jaxtrain.sharding.constraints import constrain
 from models.gpt import GPT, Block, Context, GPTConfig, normal_param, residual_std
@@ -176,16 +177,18 @@ class MoE(GPT):
         hidden, stats = self.hidden_and_stats(tokens)
         return self.unembed(hidden), stats
 
-    def hidden_and_stats(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        layer, block_params = self.layer_stack(self.context(tokens.shape[1]))
+    def hidden_and_stats(
+        self, tokens: jax.Array, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        layer, block_params = self.layer_stack(self.context(tokens.shape[1], positions=positions))
         return jax.lax.scan(layer, self.embed(tokens), block_params)
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Next-token cross-entropy plus `aux_loss_weight` x the mean auxiliary loss over layers. batch["tokens"]:
         (B, T + 1). Metrics: cross_entropy, aux_loss, expert_load, dropped."""
-        tokens = batch["tokens"]
-        hidden, stats = self.hidden_and_stats(tokens[:, :-1])
-        cross_entropy = self.next_token_loss(hidden, tokens)
+        batch = next_tokens({"tokens": batch["tokens"]})
+        hidden, stats = self.hidden_and_stats(batch.inputs, batch.positions)
+        cross_entropy = self.next_token_loss(hidden, batch.targets)
         aux = jnp.mean(stats["aux"])
         load = stats["load"]  # (L, E)
         metrics = {

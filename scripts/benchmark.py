@@ -16,6 +16,8 @@ Sections:
   maxtext    our GPT and Llama paths vs MaxText 0.2.5's decoder on the same shape and mesh, alternated
              (scripts/maxtext_baseline.sh)
   attention  each attention implementation's forward + backward time per sequence length, and what `auto` picks
+  context    step time per sequence length (1k-8k; 16k by --context-seqs) on context 1, 2, 4, 8 with ring and
+             allgather attention; temporary bytes per device; bytes over `context`, compiled vs the planner's
   data       tokenizer MB/s with 1 and 2 workers; the token-shard loader alone vs the train step; steps on real
              shards vs synthetic tokens (target: within 3%, the loader never the bottleneck)
   hf         Hugging Face import and export of a >= 1 GB Llama built here: MB/s and each process's peak RSS against
@@ -583,6 +585,65 @@ def bench_attention(args, peak) -> dict:
     return out
 
 
+# context: a small GPT at long sequences, one row per step (the global batch is the same on every mesh).
+CONTEXT_SHAPE = ["n_layers=2", "d_model=64", "n_heads=4", "d_ff=256", "vocab_size=256", "dtype=float32"]
+CONTEXT_SHAPE += ["batch_size=1", "data.source=synthetic"]
+
+
+def context_run(seq_len: int, ways: int, algorithm: str):
+    """The context section's model on context=`ways` (`ways` devices), compiled."""
+    from jaxtrain.run_config import apply_overrides, default_config
+    from jaxtrain.training.setup import build
+
+    overrides = [*CONTEXT_SHAPE, f"seq_len={seq_len}", f"context_parallel={algorithm}", f"mesh=context={ways}"]
+    cfg = apply_overrides(default_config("gpt"), overrides)
+    return build(cfg, log=lambda *_: None, devices=jax.devices()[:ways])
+
+
+def context_bytes(run) -> dict:
+    """Bytes each device sends over `context` per step: the compiled step's (HLO) beside the planner's estimate,
+    in all and for attention alone (the analytic model of jaxtrain.planner.context)."""
+    from jaxtrain.analysis.chips import chip
+    from jaxtrain.analysis.comm_report import communication_report
+    from jaxtrain.planner.context import context_attention_bytes
+    from jaxtrain.planner.estimate import estimate
+
+    report = communication_report(run.train_step, run.plan.mesh)
+    attention = context_attention_bytes(run.cfg, run.plan)
+    planned = estimate(run.cfg, chip("v5p"), run.plan.mesh.size, compiler="cpu")
+    return {
+        "compiled": report.measured(("context",)),
+        "planner": sum(t.bytes for t in planned.transfers if t.axes == ("context",)),
+        "attention_compiled": report.measured(("context",), tuple({t.kind for t in attention})),
+        "attention_model": sum(t.bytes for t in attention),
+    }
+
+
+def bench_context(args, peak) -> dict:
+    """Seconds per training step per sequence length on context=1, 2, 4, 8 with ring and allgather attention,
+    alternated, with each step's temporary bytes per device and its bytes over `context` (compiled and planned).
+    Simulated CPU devices share this machine's cores: the times show each algorithm's overhead, not the speedup of
+    real devices. Default lengths stop at 8k (16k: --context-seqs ...,16384; one device then takes ~10 s a step)."""
+    out = {"shape": CONTEXT_SHAPE}
+    for seq_len in map(int, args.context_seqs.split(",")):
+        sizes = map(int, args.context_sizes.split(","))
+        cases = sorted(
+            {(ways, algorithm if ways > 1 else "ring") for ways in sizes for algorithm in ("ring", "allgather")}
+        )
+        runs = {f"context={w}" + (f",{a}" if w > 1 else ""): context_run(seq_len, w, a) for w, a in cases}
+        times = interleaved({name: stepper(run) for name, run in runs.items()}, args.context_rounds, 1)
+        out[seq_len] = {
+            name: {
+                "step_time_s": round(times[name], 4),
+                "temp_mb": round(run.train_step.memory_analysis().temp_size_in_bytes / 1e6, 1),
+                **({"context_bytes": context_bytes(run)} if run.plan.mesh.shape["context"] > 1 else {}),
+            }
+            for name, run in runs.items()
+        }
+        log(f"context {seq_len}: {json.dumps(out[seq_len])}")
+    return out
+
+
 # data: the benchmark GPT's shape with a 4,096-token BPE (vocab_size 4096 for synthetic data too: the same program).
 DATA_VOCAB = 4096
 
@@ -794,6 +855,7 @@ SECTIONS = {
     "checkpoint": bench_checkpoint,
     "maxtext": bench_maxtext,
     "attention": bench_attention,
+    "context": bench_context,
     "gradsync": bench_gradsync,
     "data": bench_data,
     "hf": bench_hf,
@@ -814,6 +876,9 @@ def main() -> None:
     )
     parser.add_argument("--sync-sizes", default="1,4,16,64", help="gradsync section: gradient sizes in MB")
     parser.add_argument("--attention-seqs", default="128,256,512,1024,2048,4096", help="attention section")
+    parser.add_argument("--context-seqs", default="1024,2048,4096,8192", help="context section: sequence lengths")
+    parser.add_argument("--context-sizes", default="1,2,4,8", help="context section: context axis sizes")
+    parser.add_argument("--context-rounds", type=int, default=2, help="context section: timed rounds of one step")
     parser.add_argument("--data-mb", type=float, default=8, help="data section: MB of text to tokenize")
     parser.add_argument("--maxtext-rounds", type=int, default=3)
     parser.add_argument("--maxtext-steps", type=int, default=40)

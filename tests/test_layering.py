@@ -42,6 +42,7 @@ MODEL_IMPORTS = {
     "jaxtrain.errors",
     "jaxtrain.ops.attention",
     "jaxtrain.ops.cross_entropy",
+    "jaxtrain.ops.sequence",
 }
 LOOP_ONLY = {  # what the planner must not reach: the loop and the runtime around it
     "jaxtrain.training.loop",

@@ -29,7 +29,7 @@ def test_two_wildcards():
 
 
 def test_unknown_axis_name_lists_known_axes():
-    known = "replica, data, pipeline, fsdp, expert, tensor"
+    known = "replica, data, pipeline, fsdp, expert, context, tensor"
     with pytest.raises(MeshError, match=rf"unknown axis name 'model'.*Known axes: {known}"):
         parse_layout("model=8")
 

@@ -30,8 +30,26 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.errors import UserInputError
+from jaxtrain.ops.blockwise import (
+    CHUNK,
+    MASKED,
+    attends,
+    block_gradients,
+    block_positions,
+    einsum32,
+    empty_softmax_state,
+    finish_softmax,
+    from_blocks,
+    kv_split_like_q,
+    online_softmax_step,
+    output_dot,
+    pad_seq,
+    to_blocks,
+)
+from jaxtrain.ops.context_attention import CONTEXT_PARALLEL as CONTEXT_PARALLEL  # the model's choices, from here
+from jaxtrain.ops.context_attention import context_attention, sequence_axes
 from jaxtrain.ops.plain import is_plain
-from jaxtrain.sharding.constraints import activation_spec, active_mesh, per_device
+from jaxtrain.sharding.constraints import active_mesh, per_device
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash", "chunked")
 # From this sequence length on, `auto` picks `chunked` over `reference` on CPU. Measured on this project's 2-core
@@ -41,17 +59,10 @@ IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash", "chunked")
 # Below 512 the winner depends on the head shape and the margins are small; from 512 on chunked wins or nearly ties,
 # and from 1024 on it wins by 1.5-4x (and its memory stays linear). How it was timed: docs/attention.md.
 CPU_CHUNKED_FROM_SEQ = 512
-CHUNK = 512  # `chunked` block length: (B, H, 512, 512) float32 scores per block pair
 _SPLASH_BLOCK = 128  # the splash kernel's blocks are multiples of the TPU's 128 lanes
-_MASKED = -1e30  # finite, so a fully masked row gives zeros, not NaN, in the online softmax and its gradient
 _Q = ("batch", None, "heads", None)  # q and the output on each device: the sequence and head dim stay whole
-_KV = ("batch", None, "kv_heads", None)
 _SEGMENTS = ("batch", None)
 _KERNEL_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}  # the kernels that run on one platform only
-
-
-# Products accumulate in float32 whatever the inputs' dtype (the softmax statistics are float32).
-_einsum32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
 
 
 class AttentionError(UserInputError):
@@ -67,13 +78,20 @@ def attention(
     segment_ids: jax.Array | None = None,
     sliding_window: int | None = None,
     interpret: bool = False,
+    context_parallel: str = "ring",
 ) -> jax.Array:
     """Causal self-attention of q (B, T, H, K) over k, v (B, T, G, K) -> (B, T, H, K) in q's dtype.
 
     `implementation`: one of IMPLEMENTATIONS. `segment_ids` (B, T) int: packed documents. `sliding_window` W: query
     t sees keys t - W < s <= t. `interpret`: run the splash kernel in the Pallas interpreter on any backend (tests).
+    `context_parallel`: one of CONTEXT_PARALLEL, the algorithm where the active rules split the sequence over
+    devices; q, k, v and segment_ids are then in the layout of `jaxtrain.ops.sequence`.
     """
     _check_inputs(q, k, v, segment_ids, sliding_window)
+    if sequence_axes(q.shape[1]):
+        return context_attention(
+            q, k, v, segment_ids, sliding_window, algorithm=context_parallel, implementation=implementation
+        )
     platform = "tpu" if interpret else _platform()
     chosen = resolve_implementation(implementation, platform, q.shape[1], q.dtype, packed=segment_ids is not None)
     needs = _KERNEL_PLATFORM.get(chosen, platform)
@@ -147,7 +165,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     rows = q.reshape(batch, q_len, groups, per_group, head_dim).transpose(0, 3, 1, 2, 4)
     rows = rows.reshape(batch, per_group * q_len, groups, head_dim)  # (B, H/G x Tq, G, K)
     scores = _query_key_scores(rows, k) / math.sqrt(head_dim)  # (B, G, H/G x Tq, Tk)
-    scores = jnp.where(jnp.tile(mask, (1, per_group, 1))[:, None], scores, _MASKED)
+    scores = jnp.where(jnp.tile(mask, (1, per_group, 1))[:, None], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bgrs,bsgk->brgk", probs, v).reshape(batch, per_group, q_len, groups, head_dim)
     return out.transpose(0, 2, 3, 1, 4).reshape(batch, q_len, heads, head_dim).astype(q.dtype)
@@ -156,7 +174,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
 @jax.custom_vjp
 def _query_key_scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """q (B, R, G, K) . k (B, S, G, K) -> scores (B, G, R, S) float32, whatever q's dtype."""
-    return _einsum32("brgk,bsgk->bgrs", q, k)
+    return einsum32("brgk,bsgk->bgrs", q, k)
 
 
 def _query_key_scores_fwd(q, k):
@@ -168,8 +186,8 @@ def _query_key_scores_bwd(residuals, d_scores):
     # first (as FlashAttention does), so that in bfloat16 they run at bfloat16's rate; in float32 nothing changes.
     q, k = residuals
     d_scores = d_scores.astype(q.dtype)
-    dq = _einsum32("bgrs,bsgk->brgk", d_scores, k).astype(q.dtype)
-    dk = _einsum32("bgrs,brgk->bsgk", d_scores, q).astype(k.dtype)
+    dq = einsum32("bgrs,bsgk->brgk", d_scores, k).astype(q.dtype)
+    dk = einsum32("bgrs,brgk->bsgk", d_scores, q).astype(k.dtype)
     return dq, dk
 
 
@@ -180,16 +198,8 @@ def causal_mask(seq_len: int, segment_ids: jax.Array | None = None, sliding_wind
     """(B or 1, T, T) bool: query t may attend key s (causal, within its segment and the window)."""
     positions = jnp.arange(seq_len)
     same_segment = None if segment_ids is None else segment_ids[:, :, None] == segment_ids[:, None, :]
-    mask = _allowed(positions, positions, same_segment, sliding_window)
+    mask = attends(positions, positions, same_segment, sliding_window)
     return mask if mask.ndim == 3 else mask[None]
-
-
-def _allowed(q_pos: jax.Array, k_pos: jax.Array, same_segment: jax.Array | None, window: int | None) -> jax.Array:
-    """(..., Tq, Tk) bool from query and key positions: causal, within the window, within the segment."""
-    ok = q_pos[:, None] >= k_pos[None, :]
-    if window is not None:
-        ok &= q_pos[:, None] - k_pos[None, :] < window
-    return ok if same_segment is None else ok & same_segment
 
 
 def _check_inputs(q, k, v, segment_ids, sliding_window) -> None:
@@ -247,7 +257,7 @@ def _cudnn(q, k, v, segment_ids, window) -> jax.Array:
             f"attention implementation 'cudnn' takes bfloat16 or float16 q/k/v, got {q.dtype}: compute in bf16, or "
             f"use 'xla' (or 'auto', which picks it for float32 on GPU)."
         )
-    k, v, kv_names = _kv_split_like_q(q, k, v)
+    k, v, kv_names = kv_split_like_q(q, k, v)
     if segment_ids is None:
         kernel = functools.partial(_cudnn_causal, window=window)
         return per_device(kernel, [_Q, kv_names, kv_names], _Q)(q, k, v)
@@ -335,18 +345,8 @@ def _segment_offsets(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return offsets.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
-def _kv_split_like_q(q, k, v) -> tuple[jax.Array, jax.Array, tuple]:
-    """k, v and the dim names to split them by for a per-device kernel: each device must hold the kv heads of its
-    own query heads. Where the rules split query heads but not kv heads (tensor does not divide G), k and v are
-    repeated to H heads and split like the queries."""
-    if activation_spec(("heads",), (q.shape[2],)) == activation_spec(("kv_heads",), (k.shape[2],)):
-        return k, v, _KV
-    repeats = q.shape[2] // k.shape[2]
-    return jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2), _Q
-
-
 def _splash(q, k, v, segment_ids, window, *, interpret: bool) -> jax.Array:
-    k, v, kv_names = _kv_split_like_q(q, k, v)
+    k, v, kv_names = kv_split_like_q(q, k, v)
     kernel = functools.partial(_splash_per_device, window=window, interpret=interpret)
     if segment_ids is None:
         return per_device(kernel, [_Q, kv_names, kv_names], _Q)(q, k, v)
@@ -361,8 +361,8 @@ def _splash_per_device(q, k, v, segment_ids=None, *, window, interpret) -> jax.A
     padded = -(-seq_len // _SPLASH_BLOCK) * _SPLASH_BLOCK
     # The kernel takes one example's (heads, T, K), T a multiple of its blocks, and leaves scaling to the caller.
     # Padding goes at the end, where causality hides it from every real query.
-    q, k, v = (_pad_seq(x, padded).transpose(0, 2, 1, 3) for x in (q * (1 / math.sqrt(head_dim)), k, v))
-    segments = None if segment_ids is None else _pad_seq(segment_ids, padded)
+    q, k, v = (pad_seq(x, padded).transpose(0, 2, 1, 3) for x in (q * (1 / math.sqrt(head_dim)), k, v))
+    segments = None if segment_ids is None else pad_seq(segment_ids, padded)
     kernel = _splash_kernel(heads, padded, window, interpret)
 
     def one_example(q, k, v, segments):
@@ -389,12 +389,6 @@ def _splash_kernel(heads: int, seq_len: int, window: int | None, interpret: bool
     )
 
 
-def _pad_seq(x: jax.Array, length: int, value: int = 0) -> jax.Array:
-    """x (B, T, ...) padded at the end of T to `length`."""
-    widths = [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def chunked_attention(
     q: jax.Array,
     k: jax.Array,
@@ -419,14 +413,10 @@ def chunked_attention(
     if segment_ids is None:
         segment_ids = jnp.zeros((batch, seq_len), jnp.int32)
 
-    def blocks(x, value=0):  # (B, T, *rest) -> (n, B, *rest[:-1], block, rest[-1]), or (n, B, block) for rest = ()
-        x = _pad_seq(x, padded, value).reshape(batch, count, block, *x.shape[2:])
-        return jnp.moveaxis(x, (1, 2), (0, -2 if x.ndim > 3 else -1))
-
-    q_blocks = blocks(q.reshape(batch, seq_len, groups, heads // groups, head_dim))  # (n, B, G, H/G, b, K)
-    out = _flash(sliding_window, q_blocks, blocks(k), blocks(v), blocks(segment_ids, -1))
-    out = jnp.moveaxis(out, (0, -2), (1, 2)).reshape(batch, padded, heads, head_dim)
-    return out[:, :seq_len]
+    q_blocks = to_blocks(q.reshape(batch, seq_len, groups, heads // groups, head_dim), block, padded)
+    kv_blocks = (to_blocks(x, block, padded) for x in (k, v))  # (n, B, G, b, K)
+    out = _flash(sliding_window, q_blocks, *kv_blocks, to_blocks(segment_ids, block, padded, -1))
+    return from_blocks(out)[:, :seq_len]
 
 
 def _chunked(q, k, v, segment_ids, window) -> jax.Array:
@@ -443,22 +433,16 @@ def _flash(window, q, k, v, segments) -> jax.Array:
 def _flash_forward(window, q, k, v, segments) -> tuple[jax.Array, jax.Array]:
     """(output, log-sum-exp) by the online softmax over each query block's visible key blocks."""
     block = q.shape[-2]
+    positions = block_positions(q.shape[0], block)
 
     def query_block(i):
         def visit(j, carry):
-            top, total, acc = carry  # running max, sum of exp and weighted values of this block's rows
-            scores, allowed = _block_scores(window, q[i], k[j], segments[i], segments[j], i, j)
-            new_top = jnp.maximum(top, scores.max(axis=-1))
-            probs = jnp.where(allowed, jnp.exp(scores - new_top[..., None]), 0.0)
-            rescale = jnp.exp(top - new_top)
-            total = total * rescale + probs.sum(axis=-1)
-            values = _einsum32("bgjqs,bgsk->bgjqk", probs.astype(v.dtype), v[j])
-            return new_top, total, acc * rescale[..., None] + values
+            return online_softmax_step(
+                window, carry, q[i], k[j], v[j], (segments[i], segments[j]), (positions[i], positions[j])
+            )
 
-        rows = q.shape[1:-1]
-        init = _varying_like((jnp.full(rows, _MASKED), jnp.zeros(rows), jnp.zeros(q.shape[1:])), q, k, v, segments)
-        top, total, acc = jax.lax.fori_loop(_first_key_block(i, window, block), i + 1, visit, init)
-        return (acc / total[..., None]).astype(q.dtype), top + jnp.log(total)
+        init = _varying_like(empty_softmax_state(q.shape[1:]), q, k, v, segments)
+        return finish_softmax(jax.lax.fori_loop(_first_key_block(i, window, block), i + 1, visit, init), q.dtype)
 
     return jax.lax.map(query_block, jnp.arange(q.shape[0]))
 
@@ -473,20 +457,17 @@ def _flash_bwd(window, residuals, d_out):
     probabilities recomputed from the saved log-sum-exp; dq accumulates across key blocks."""
     q, k, v, segments, out, lse = residuals
     count, block = q.shape[0], q.shape[-2]
-    scale = 1 / math.sqrt(q.shape[-1])
-    delta = jnp.einsum("nbgjqk,nbgjqk->nbgjq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = output_dot(out, d_out)
+    positions = block_positions(count, block)
 
     def key_block(dq, j):
         def visit(i, carry):
             dk, dv, dq = carry
-            scores, allowed = _block_scores(window, q[i], k[j], segments[i], segments[j], i, j)
-            probs = jnp.where(allowed, jnp.exp(scores - lse[i][..., None]), 0.0)  # (B, G, J, b, b)
-            dv += _einsum32("bgjqs,bgjqk->bgsk", probs.astype(d_out.dtype), d_out[i])
-            d_probs = _einsum32("bgjqk,bgsk->bgjqs", d_out[i], v[j])
-            d_scores = (probs * (d_probs - delta[i][..., None]) * scale).astype(q.dtype)  # w.r.t. q.k, scale in
-            dk += _einsum32("bgjqs,bgjqk->bgsk", d_scores, q[i])
-            dq = dq.at[i].add(_einsum32("bgjqs,bgsk->bgjqk", d_scores, k[j]))
-            return dk, dv, dq
+            residuals = (lse[i], delta[i], d_out[i])
+            dq_i, dk_j, dv_j = block_gradients(
+                window, q[i], k[j], v[j], (segments[i], segments[j]), (positions[i], positions[j]), residuals
+            )
+            return dk + dk_j, dv + dv_j, dq.at[i].add(dq_i)
 
         zeros = _varying_like(jnp.zeros(k.shape[1:]), q, k, v, segments, d_out)
         dk, dv, dq = jax.lax.fori_loop(j, _last_query_block(j, window, block, count) + 1, visit, (zeros, zeros, dq))
@@ -505,17 +486,6 @@ def _varying_like(init, *arrays):
     pipeline's) a loop's carry must keep the type the body gives it."""
     axes = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in arrays))))
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), init) if axes else init
-
-
-def _block_scores(window, q_block, k_block, q_segments, k_segments, i, j) -> tuple[jax.Array, jax.Array]:
-    """Scaled scores (B, G, J, b, b) float32 of query block i against key block j, masked, and the mask."""
-    block = q_block.shape[-2]
-    scores = _einsum32("bgjqk,bgsk->bgjqs", q_block, k_block)
-    scores = scores / math.sqrt(q_block.shape[-1])
-    positions = jnp.arange(block)
-    same_segment = (q_segments[:, :, None] == k_segments[:, None, :])[:, None, None]  # (B, 1, 1, b, b)
-    allowed = _allowed(i * block + positions, j * block + positions, same_segment, window)
-    return jnp.where(allowed, scores, _MASKED), allowed
 
 
 def _first_key_block(i, window: int | None, block: int):

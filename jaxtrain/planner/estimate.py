@@ -16,8 +16,8 @@ How each figure is found (all per device):
   a working set: the same count for the largest loop body or remat region (what the backward recomputes, and
   cotangents of that size) and one layer's weights gathered by FSDP.
 - which share of a traced array a device holds: `jaxtrain.planner.layouts`.
-- collectives: the weights' (`jaxtrain.planner.weights`: in the dtype they are used in) and those the traced step
-  implies (`jaxtrain.planner.tracing`).
+- collectives: the weights' (`jaxtrain.planner.weights`: in the dtype they are used in), those the traced step
+  implies (`jaxtrain.planner.tracing`), and context parallelism's attention (`jaxtrain.planner.context`).
 - under a pipeline, the traced microbatch run through the schedule's ticks: `jaxtrain.planner.stages`.
 - batch shapes come from the model's config (the `synthetic` source): planning reads no data.
 - time: FLOPs of every matmul and convolution in the traced step (remat recompute included) / peak; HBM: their
@@ -45,6 +45,7 @@ from jaxtrain.data.datasets import make_dataset, model_data_args
 from jaxtrain.errors import UserInputError
 from jaxtrain.parallel.pipeline import PipelineError, StageLayout
 from jaxtrain.parallel.updates import UpdatePolicy
+from jaxtrain.planner.context import context_attention_bytes
 from jaxtrain.planner.stages import (
     Stages,
     pipeline_microbatches,
@@ -187,6 +188,7 @@ def estimate(
     else:
         work = _unpipelined(plan, step, accum)
     memory = _memory(plan, batch, step, work, accum)
+    transfers = [*work.transfers, *context_attention_bytes(cfg, plan)]
     model_flops, traced = _model_flops(cfg, task, step, devices)
     return Estimate(
         cfg,
@@ -195,7 +197,7 @@ def estimate(
         frozenset(a for a in MESH_AXES if dcn[a] > 1),
         chip,
         memory,
-        merge_transfers([t.on_cpu() for t in work.transfers] if compiler == "cpu" else work.transfers),
+        merge_transfers([t.on_cpu() for t in transfers] if compiler == "cpu" else transfers),
         flops=work.flops,
         model_flops=model_flops,
         hbm_bytes=work.matmul_bytes + 2 * (memory.params + memory.opt_state) + 2 * memory.grads,

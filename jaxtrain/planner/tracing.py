@@ -235,7 +235,9 @@ class StepTrace:
                     trips * SEND_SHARE["all-reduce"](shares.mesh_shape[axis]) * b,
                     "activations (split dims)",
                 )
-                for axis in combined - {"pipeline"}
+                # Sums over positions of a split sequence are weights' gradients, reduced with the weights
+                # (`jaxtrain.planner.weights`), or attention's, which `jaxtrain.planner.context` models.
+                for axis in combined - {"pipeline", *self.plan.rules.activations.get("seq", ())}
             ]
             if sums:
                 partials.hold(out, sums)

@@ -47,10 +47,12 @@ def _weight_axes(plan: Plan, used: Mapping[int, set[str]]) -> list[tuple[tuple[s
     never gathered either: each device looks up its own rows. The gradient is summed over the axes the param is
     used over but not split over."""
     mesh, default = plan.mesh, set(plan.rules.batch_axes())
+    # A sequence split over devices (context parallelism) splits the rows every weight meets as the batch does.
+    sequence = set(plan.rules.activations.get("seq", ()))
     names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
     out = []
     for i, (ns, p) in enumerate(zip(names, jax.tree.leaves(plan.abstract_state["params"]))):
-        over = used.get(i, default) - {""}
+        over = (used.get(i, default) | sequence) - {""}
         spec = spec_entries(p.sharding.spec, len(p.shape))
         in_place = {a for n, d in zip(ns, spec) for a in d if n and a in plan.rules.activations.get(n, ())}
         live = [a for a in MESH_AXES if mesh.shape[a] > 1]

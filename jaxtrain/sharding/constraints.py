@@ -54,6 +54,12 @@ def constrain(x: jax.Array, names: Sequence[str | None], *, like_params: bool = 
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def active_placement() -> tuple[Mesh, ShardingRules] | None:
+    """The (mesh, rules) `activation_sharding` made active, or None: for a kernel whose backward pass may be traced
+    after the forward's `activation_sharding` block has closed, to lay it out alike."""
+    return _ACTIVE.get()
+
+
 def active_mesh() -> Mesh | None:
     """The mesh `activation_sharding` made active, or None outside it (e.g. to ask which platform it is on)."""
     active = _ACTIVE.get()
@@ -72,14 +78,15 @@ def activation_spec(names: Sequence[str | None], shape: Sequence[int]) -> Partit
 def per_device(
     fn: Callable[..., jax.Array],
     in_names: Sequence[Sequence[str | None]],
-    out_names: Sequence[str | None],
-) -> Callable[..., jax.Array]:
+    out_names: Sequence[str | None] | list[Sequence[str | None]],
+) -> Callable[..., Any]:
     """`fn` run on each device's slices, inside `jax.shard_map` over the active mesh: for kernels that need
     per-device shapes (a Pallas or cuDNN attention kernel).
 
     Argument i is split as its dim names `in_names[i]` map through the activation rules (a dim named None stays
-    whole on every device); the result is split as `out_names`, each of which must name a dim of some argument.
-    Outside `activation_sharding(...)` the returned function calls `fn` on the whole arrays.
+    whole on every device); the result is split as `out_names`, each of which must name a dim of some argument (a
+    list of such tuples: `fn` returns a tuple of results, split as each says). Outside `activation_sharding(...)`
+    the returned function calls `fn` on the whole arrays.
 
         >>> kernel = per_device(fn, [("batch", None, "heads", None)], ("batch", None, "heads", None))  # doctest: +SKIP
     """
@@ -89,15 +96,18 @@ def per_device(
             return fn(*args)
         placed = [_placement(names, x.shape) for names, x in zip(in_names, args, strict=True)]
         by_name = {n: entry for names, (_, spec, _) in zip(in_names, placed) for n, entry in zip(names, spec) if n}
-        unknown = [n for n in out_names if n is not None and n not in by_name]
+        several = isinstance(out_names, list)
+        outputs = out_names if several else [out_names]
+        unknown = [n for names in outputs for n in names if n is not None and n not in by_name]
         if unknown:
             raise ShardingRuleError(f"per_device: output dims {unknown} name no dim of the arguments {in_names}.")
+        specs = tuple(PartitionSpec(*(by_name[n] if n else None for n in names)) for names in outputs)
         mesh, _, manual = placed[0]
         return jax.shard_map(
             fn,
             mesh=mesh,
             in_specs=tuple(spec for _, spec, _ in placed),
-            out_specs=PartitionSpec(*(by_name[n] if n else None for n in out_names)),
+            out_specs=specs if several else specs[0],
             axis_names=set(mesh.axis_names) - manual,
             # Kernels are custom calls (Pallas, cuDNN) whose outputs carry no varying-axes type to check.
             check_vma=False,

@@ -27,8 +27,10 @@ from jaxtrain.files import read_bytes, utf8_text
 
 # Slowest links first, fastest last: `tensor` talks every layer, `data` once per step. `replica` is data parallelism
 # across the slowest links (hosts, slices): the batch is split over it as over `data`, but gradient synchronisation can
-# treat it apart (grad_sync=hierarchical reduces inside the faster axes first).
-MESH_AXES = ("replica", "data", "pipeline", "fsdp", "expert", "tensor")
+# treat it apart (grad_sync=hierarchical reduces inside the faster axes first). `context` splits the sequence (context
+# parallelism): its ring attention passes key/value blocks between neighbours every layer, so it sits next to
+# `tensor`, among the fast links.
+MESH_AXES = ("replica", "data", "pipeline", "fsdp", "expert", "context", "tensor")
 # The shipped layouts: meshes/ in a checkout, installed as the package data jaxtrain/meshes (pyproject.toml).
 MESHES_DIR = Path(str(importlib.resources.files("jaxtrain.meshes")))
 

@@ -65,7 +65,9 @@ DEFAULT_ACTIVATION_RULES: dict[str, AxisRule] = {
     # Outside the experts an expert axis is one more data axis: tokens are split over it, and an MoE layer moves
     # them to their experts by all-to-all over it.
     "batch": ("replica", "data", "fsdp", "expert"),
-    "seq": (),
+    # Context parallelism: each device holds a share of every sequence's positions (jaxtrain.ops.sequence lays
+    # them out; attention exchanges keys and values over the axis, jaxtrain.ops.context_attention).
+    "seq": ("context",),
     "embed": (),
     "mlp": ("tensor",),
     "heads": ("tensor",),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from jaxtrain.data.datasets import (
     model_data_args,
 )
 from jaxtrain.formatting import fmt_bytes
+from jaxtrain.ops.sequence import zigzag_order
 from jaxtrain.parallel.grad_sync import GradientSync
 from jaxtrain.parallel.pipeline import Pipeline, make_pipeline, stacked_layer_count
 from jaxtrain.parallel.step import GradFn, accumulate_gradients, eval_step, replica_gradients, train_step
@@ -175,6 +177,7 @@ def build(
         raise ConfigError(  # a replica's rows are then no longer one contiguous block of the batch
             f"data.partition={cfg.data.partition} needs 'replica' first in the batch rule; it is {rules.batch_axes()}."
         )
+    _check_sequence_split(cfg, mesh, rules, spec.task)
     verbose = cfg.train.verbose
     log(describe_mesh(mesh) if verbose else describe_mesh(mesh).splitlines()[0])  # the first line names the axes
 
@@ -228,6 +231,20 @@ def compose_step(
     if policy.name == "stale":  # the gradient of `staleness` steps ago is applied
         return grad_fn, functools.partial(stale_step, **common, staleness=policy.staleness)
     return grad_fn, functools.partial(train_step, **common)
+
+
+def _check_sequence_split(cfg: RunConfig, mesh: Mesh, rules: ShardingRules, task: str) -> None:
+    """Where the rules split `seq` over devices (context parallelism), the model must read sequences and the
+    sequence must cut into the zig-zag layout's chunks: errors before anything is traced."""
+    axes = [a for a in rules.activations.get("seq", ()) if mesh.shape[a] > 1]
+    if not axes:
+        return
+    if task != "lm":
+        raise ConfigError(
+            f"mesh '{cfg.mesh}' splits the sequence over {'+'.join(axes)} (context parallelism), but model "
+            f"'{cfg.model_name}' reads no sequences: use a mesh without a context axis (e.g. data instead)."
+        )
+    zigzag_order(cfg.data.seq_len, math.prod(mesh.shape[a] for a in axes))
 
 
 def _update_policy(cfg: RunConfig, mesh: Mesh) -> UpdatePolicy:

@@ -128,3 +128,46 @@ def test_the_servers_apply_exactly_the_gradients_they_receive(ray_session, tmp_p
     assert summary["staleness_max"] == max(row.staleness for row in summary["batch_log"])
     assert sum(summary["staleness_histogram"].values()) == 9
     assert len((tmp_path / BATCH_LOG).read_text().splitlines()) == 9
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_replaced_and_the_run_resumes_from_its_checkpoint(tmp_path):
+    """`jaxtrain train --engine ray`: kill -9 worker 1 mid-run; a replacement takes its batch and the run finishes by
+    itself. Rerun longer (train.steps allowed to change): it resumes at the last update, and the batch log holds each
+    update once, no batch twice."""
+    import json
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from jaxtrain.asynchronous.engine import BATCH_LOG
+
+    root = Path(__file__).resolve().parent.parent
+    args = [sys.executable, str(root / "scripts" / "train.py"), "--model", "gpt-tiny", "--engine", "ray"]
+    args += ["--workers", "2", "--batch-size", "8", "--seq-len", "32", "--log-every", "1", "--no-progress"]
+    args += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "5", "warmup_steps=1", "eval_every=1000"]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.Popen(
+        [*args, "--steps", "24"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines, pid = [], None
+    for line in run.stdout:
+        lines.append(line)
+        if found := re.match(r"worker 1: pid (\d+)", line):
+            pid = pid or int(found.group(1))
+        if re.match(r"step\s+6\b", line):
+            os.kill(pid, signal.SIGKILL)
+    assert run.wait(timeout=300) == 0, "".join(lines[-40:])
+    output = "".join(lines)
+    assert "worker 1 died" in output and "worker_restarts 1" in output and "done: steps 24" in output
+
+    again = subprocess.run([*args, "--steps", "30", "--allow-config-change", "train.steps"], capture_output=True,
+                           text=True, env=env, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resuming at update 24" in again.stdout and "done: steps 30" in again.stdout
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / BATCH_LOG).read_text().splitlines()]
+    assert [row["update"] for row in rows] == list(range(1, 31))
+    assert len({row["batch"] for row in rows}) == 30

@@ -242,7 +242,9 @@ class EngineConfig(Settings):
     staleness_lr: str = setting(
         "none", "ray: inverse scales each update by 1 / (1 + staleness) (Zhang et al., 2016)", choices=STALENESS_LR
     )
-    slow_workers: str = setting("", "ray: I:FACTOR,... worker I waits until each gradient took FACTOR x its time")
+    slow_workers: str = setting(
+        "", "I:FACTOR,... worker I (spmd: process I) runs FACTOR x slower, by waiting (tests, benchmarks)"
+    )
     worker_restarts: int = setting(3, "ray: dead workers replaced before the run fails", at_least=0)
     ray_address: str = setting("", "ray: a cluster's address (auto: the one `ray start` began); empty: local Ray")
 
@@ -251,8 +253,9 @@ class EngineConfig(Settings):
         self.slowdowns()  # a malformed engine.slow_workers is refused where it enters
 
     def slowdowns(self) -> dict[int, float]:
-        """`slow_workers` as {worker index: factor}: worker I waits until each of its gradients took FACTOR times as
-        long as it computed, as a node FACTOR times slower would (the machine's cores are not taken)."""
+        """`slow_workers` as {worker index: factor}: worker I (with `kind=spmd`, process I) waits until each of its
+        gradients (steps) took FACTOR times as long as it computed, as a node FACTOR times slower would (the machine's
+        cores are not taken). Under spmd an index beyond the job's processes is refused when the run starts."""
         found = {}
         for item in filter(None, (part.strip() for part in self.slow_workers.split(","))):
             index, _, factor = item.partition(":")
@@ -265,7 +268,7 @@ class EngineConfig(Settings):
                     f"engine.slow_workers='{self.slow_workers}': '{item}' is not I:FACTOR with a worker index I >= 0 "
                     "and a factor >= 1, e.g. --slow-worker 1:3 (worker 1 three times slower)."
                 )
-            if worker >= self.workers:
+            if self.kind == "ray" and worker >= self.workers:
                 raise ConfigError(
                     f"engine.slow_workers='{self.slow_workers}': worker {worker} does not exist with engine.workers="
                     f"{self.workers} (workers are 0..{self.workers - 1})."

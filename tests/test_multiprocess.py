@@ -244,3 +244,11 @@ def test_an_unwritable_directory_ends_every_process_with_74_within_30_s(tmp_path
     assert f"error: {failed}" in stderr and f"error: process 0: {failed}" in stderr
     reported = min(t for t, line in lines if line.startswith("error:"))
     assert ended - reported <= 30, ended - reported
+
+
+@pytest.mark.slow  # a two-process launch: ~30 s
+def test_a_slowed_process_is_named_as_the_straggler(tmp_path):
+    """Synchronous SPMD over 2 processes, process 1 slowed 3x by waiting: process 0's log names process 1."""
+    done = launch(2, 4, "--mesh", "data=8", "--steps", "12", "--slow-worker", "1:3")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "[0] straggler at step 10: process 1 takes" in done.stdout

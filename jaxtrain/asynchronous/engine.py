@@ -90,6 +90,7 @@ class _Job:
         ray.get([w.set_shards.remote(self.owned) for w in self.workers])
         parts = zip(split(names, self.owned), split(leaves, self.owned))
         self.servers = [cluster.start_server(cfg, names_part, part) for names_part, part in parts]
+        ray.get([s.applied_count.remote() for s in self.servers])  # started: the run's clock does not count it
         self.progress, self.dispatcher = self._restore()
         self.restarts = 0
         self.latest: list | None = None  # references to the shards' params at the dispatcher's version

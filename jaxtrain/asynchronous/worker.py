@@ -8,6 +8,7 @@ worker is the SPMD step without its update. The engine's driver says which batch
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -38,11 +39,13 @@ class Worker:
         self.index, self.slowdown = index, slowdown
         self.run = build(cfg, log=lambda *_: None)
         self.treedef = jax.tree.structure(self.run.plan.abstract_state["params"])
-        clip = cfg.optimizer.clip_norm
-        # The optimizer's own global-norm clipping, over the whole gradient: a server shard sees only its part.
-        self.clip = (lambda g: optax.clip_by_global_norm(clip).update(g, optax.EmptyState())[0]) if clip > 0 else None
+        self._finish = jax.jit(functools.partial(_norm_and_clip, clip_norm=cfg.optimizer.clip_norm))
         self.params: PyTree = None
         self.owned: list[list[int]] | None = None
+        # Compile, read the data and compute one gradient now, not in the first job: a slowed worker's first gradient
+        # would otherwise wait out those one-off costs FACTOR - 1 times over, and the engine's clock count them.
+        self._compute(self.run.plan.init_state(self.run.optimizer, cfg.train.seed)["params"], 0)
+        self.run.compiled_eval  # noqa: B018 - a cached property: compiles the evaluation step
 
     def pid(self) -> int:
         return os.getpid()
@@ -65,18 +68,20 @@ class Worker:
         start = time.perf_counter()
         if pulled:
             self.params = self._place([leaves for _, leaves in pulled])
-        (loss, metrics), grads = self.run.compiled_grad(self.params, self.run.batch("train", batch))
-        norm = float(optax.tree.norm(grads))
-        if self.clip is not None:
-            grads = self.clip(grads)
-        host = leaves_of.host_leaves(grads)
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        finite = bool(np.isfinite(float(loss)) and np.isfinite(norm))
+        info, grads = self._compute(self.params, batch)
         seconds = time.perf_counter() - start
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * seconds)
-        info = {**values, "loss": float(loss), "grad_norm": norm, "finite": finite, "seconds": seconds}
-        return (info, *leaves_of.split(host, self.owned))
+        return ({**info, "seconds": seconds}, *leaves_of.split(grads, self.owned))
+
+    def _compute(self, params: PyTree, batch: int) -> tuple[dict[str, float], list[np.ndarray]]:
+        """Metrics and clipped gradient leaves (on the host) of training batch `batch` at `params`."""
+        (loss, metrics), grads = self.run.compiled_grad(params, self.run.batch("train", batch))
+        norm, grads = self._finish(grads)
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        finite = bool(np.isfinite(float(loss)) and np.isfinite(float(norm)))
+        info = {**values, "loss": float(loss), "grad_norm": float(norm), "finite": finite}
+        return info, leaves_of.host_leaves(grads)
 
     def evaluate(self, *pulled: tuple[int, list[np.ndarray]]) -> dict[str, float]:
         """Validation metrics (`jaxtrain.training.loop.evaluate`) of the pulled params, with their version."""
@@ -87,3 +92,12 @@ class Worker:
         """Params from the server shards' leaves, placed in this worker's plan's shardings."""
         tree = jax.tree.unflatten(self.treedef, leaves_of.join(parts, self.owned))
         return jax.device_put(tree, self.run.plan.state_shardings["params"])
+
+
+def _norm_and_clip(grads: PyTree, clip_norm: float) -> tuple[jax.Array, PyTree]:
+    """The gradient's global norm, and the gradient clipped to `clip_norm` as the optimizer's own clipping does (a
+    server shard sees only its part of the gradient, so the whole one is clipped here); <= 0: not clipped."""
+    norm = optax.tree.norm(grads)
+    if clip_norm <= 0:
+        return norm, grads
+    return norm, optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())[0]

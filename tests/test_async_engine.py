@@ -80,10 +80,19 @@ def test_sync_rounds_average_one_gradient_per_worker_and_a_dead_worker_is_redone
 
 
 def test_engine_settings_are_checked():
+    from jaxtrain.asynchronous.engine import check_engine
+    from jaxtrain.training.loop import train
+
     with pytest.raises(ConfigError, match="slow_workers='4:3'.*0..3"):
         async_config("workers=4", "slow_workers=4:3")
     with pytest.raises(ConfigError, match="'1:0.5' is not I:FACTOR"):
         async_config("slow_workers=1:0.5")
+    with pytest.raises(ConfigError, match="engine.kind=ray: this is the SPMD loop"):
+        train(async_config())
+    with pytest.raises(ConfigError, match="pipeline axis"):
+        check_engine(async_config("mesh=pipeline=2,data=2"))
+    with pytest.raises(ConfigError, match="train.sync=stale with --engine ray"):
+        check_engine(async_config("sync=stale"))
 
 
 # Real runs on Ray.

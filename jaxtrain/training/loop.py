@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxtrain.analysis.flops import peak_flops
 from jaxtrain.data.datasets import Dataset
-from jaxtrain.run_config import RunConfig
+from jaxtrain.run_config import ConfigError, RunConfig
 from jaxtrain.training import run_lock
 from jaxtrain.training.checkpoint import Checkpoints
 from jaxtrain.training.distributed import to_host
@@ -75,6 +75,11 @@ def train(
     the newest checkpoint and skips the batches since. With several processes, process 0 logs, writes the metrics
     (file, TensorBoard, `on_metrics`); every process trains and checkpoints its shards.
     """
+    if cfg.engine.kind != "spmd":  # the asynchronous engine is another program, not a variant of this loop
+        raise ConfigError(
+            f"engine.kind={cfg.engine.kind}: this is the SPMD loop. Run the engine with `jaxtrain train --engine ray` "
+            "or jaxtrain.asynchronous.engine.train_async(cfg)."
+        )
     lead = jax.process_index() == 0
     log = log if lead else lambda *_: None
     if lead and cfg.train.tensorboard_dir:

@@ -153,6 +153,7 @@ class _Job:
                 gradients[worker] = (info, gradients.pop(worker)[1])
                 if rows:
                     self._apply(rows, [gradients.pop(r.worker) for r in rows], sink)
+        self.finished = time.perf_counter()  # the evaluations still running are not training time
         return self._summary()
 
     def _dispatch(self, worker: int, running: dict, gradients: dict) -> None:
@@ -230,9 +231,9 @@ class _Job:
         for row in evals:
             self.log(f"update {row['step']}: val_loss {row['val_loss']:.4f} ({row['wall_s']:.1f} s)")
         applied = ray.get([s.applied_count.remote() for s in self.servers])
-        per_update = t.steps and self.cfg.data.batch_size * (e.workers if e.mode == "sync" else 1)
-        began, first = self.clock or (time.perf_counter(), t.steps)
-        elapsed = time.perf_counter() - began
+        per_update = self.cfg.data.batch_size * (e.workers if e.mode == "sync" else 1)
+        began, first = self.clock or (self.finished, t.steps)
+        elapsed = self.finished - began
         rate = per_update * (self.dispatcher.version - first) / elapsed if elapsed > 0 else float("nan")
         last = self.history[-1] if self.history else {"step": self.progress.step, "loss": float("nan")}
         summary = {

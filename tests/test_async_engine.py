@@ -79,6 +79,23 @@ def test_sync_rounds_average_one_gradient_per_worker_and_a_dead_worker_is_redone
     assert dispatcher.unapplied() == []
 
 
+def test_a_server_shard_applies_the_mean_gradient_with_a_staleness_scaled_step():
+    """A shard (the plain class, no Ray) with SGD: the mean of two gradients is applied, `scale` 0.5 moves the params
+    half as far, and a NaN loss skips the update but not the version."""
+    from jaxtrain.asynchronous.server import ServerShard
+    from jaxtrain.run_config import OptimizerConfig
+
+    sgd = OptimizerConfig(name="sgd", learning_rate=1.0, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0)
+    shard = ServerShard(sgd, 10, [("embed",)], [np.zeros(3, np.float32)])
+    shard.apply(0.0, 1.0, [np.ones(3, np.float32)], [3 * np.ones(3, np.float32)])
+    np.testing.assert_allclose(shard.params()[1][0], -2.0)
+    shard.apply(0.0, 0.5, [np.ones(3, np.float32)])
+    np.testing.assert_allclose(shard.params()[1][0], -2.5)
+    shard.apply(float("nan"), 1.0, [np.ones(3, np.float32)])
+    assert shard.params()[0] == 3 and shard.applied_count() == 4
+    np.testing.assert_allclose(shard.params()[1][0], -2.5)
+
+
 def test_engine_settings_are_checked():
     from jaxtrain.asynchronous.engine import check_engine
     from jaxtrain.training.loop import train

@@ -34,6 +34,7 @@ LAYERS = {
     "jaxtrain.planner": 5,
     "jaxtrain.inference": 5,
     "jaxtrain.interop": 5,  # Hugging Face import/export: checkpoints, plans, the run config
+    "jaxtrain.rl": 5,  # self-play, search and the replay buffer: a dataset for the training step
     "jaxtrain.asynchronous": 5,  # the Ray parameter-server engine: the run built per worker, checkpoints, metrics
     "jaxtrain.cli": 6,
     "jaxtrain": 6,  # the public API, jaxtrain/__init__.py

@@ -162,6 +162,15 @@ CONFIG_FLAGS = (
             "help": "resume in --checkpoint-dir although these config keys differ from the checkpoint's (recorded)",
         },
     ),
+    # The asynchronous engine (jaxtrain.asynchronous, docs/asynchronous.md); engine.* keys set the rest.
+    ("--engine", "engine.kind", {"help": "spmd (default): one program over the mesh; ray: parameter-server workers"}),
+    ("--workers", "engine.workers", {"type": int, "help": "--engine ray: worker processes, each on its own mesh"}),
+    ("--ps-shards", "engine.ps_shards", {"type": int, "help": "--engine ray: parameter-server shards"}),
+    (
+        "--slow-worker",
+        "engine.slow_workers",
+        {"metavar": "I:FACTOR[,...]", "help": "--engine ray: worker I runs FACTOR times slower, by waiting"},
+    ),
 )
 # Flag (as argparse names its value) -> config key.
 FLAG_KEYS = {flag.removeprefix("--").replace("-", "_"): key for flag, key, _ in CONFIG_FLAGS}
@@ -308,7 +317,9 @@ def train_main(argv: Sequence[str]) -> int:
 
     try:
         cfg = _run_config(args)
-        if cfg is not None:
+        if cfg is not None and cfg.engine.kind == "ray":
+            _ray_engine()(cfg)
+        elif cfg is not None:
             train(cfg)
     except CheckpointWriteError as err:
         return _error(err, CHECKPOINT_WRITE_FAILED_EXIT)
@@ -318,6 +329,17 @@ def train_main(argv: Sequence[str]) -> int:
         )
         return stop.exit_status
     return 0
+
+
+def _ray_engine() -> Callable:
+    """`jaxtrain.asynchronous.engine.train_async`, or a one-line error saying how to install Ray."""
+    try:
+        from jaxtrain.asynchronous.engine import train_async
+    except ModuleNotFoundError as err:
+        if err.name != "ray":
+            raise
+        raise UserInputError("--engine ray needs Ray: pip install -e '.[async]' (or pip install ray).") from None
+    return train_async
 
 
 @command

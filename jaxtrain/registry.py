@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from jaxtrain.errors import UserInputError
 
 ENTRY_POINT_GROUP = "jaxtrain.models"
-TASKS = ("lm", "classification", "clicks")
+# selfplay: positions of self-play games, which a run brings as its dataset (jaxtrain.rl.replay.ReplayBuffer).
+TASKS = ("lm", "classification", "clicks", "selfplay")
 
 
 class ModelRegistrationError(UserInputError):

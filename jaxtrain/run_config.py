@@ -213,6 +213,70 @@ class TrainConfig(Settings):
     verbose: bool = setting(False, "the preflight's full tables (parameters, device grid, collectives)")
 
 
+ENGINES = ("spmd", "ray")
+ENGINE_MODES = ("async", "sync")
+STALENESS_LR = ("none", "inverse")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig(Settings):
+    """How the run executes. `spmd`: one SPMD program over the mesh, every device in lockstep (`jaxtrain train`'s
+    loop). `ray`: a parameter-server job on Ray (`jaxtrain.asynchronous`): `workers` JAX processes, each on its own
+    mesh (`mesh`, over `devices_per_worker` devices), compute gradients at their own pace; `ps_shards` server shards
+    hold the params and optimizer state and apply each gradient as it arrives (`mode=async`), or the mean of one
+    gradient per worker (`mode=sync`, the lockstep baseline)."""
+
+    section: ClassVar[str] = "engine"
+
+    kind: str = setting("spmd", "spmd: one program over the mesh; ray: parameter-server workers", choices=ENGINES)
+    mode: str = setting(
+        "async", "ray: async applies each gradient on arrival; sync the mean of one per worker", choices=ENGINE_MODES
+    )
+    workers: int = setting(2, "ray: worker processes computing gradients", at_least=1)
+    ps_shards: int = setting(1, "ray: parameter-server shards, each holding a part of the params", at_least=1)
+    devices_per_worker: int = setting(1, "ray: simulated CPU devices of each worker's mesh (local runs)", at_least=1)
+    pull_every: int = setting(1, "ray: a worker pulls fresh params every K of its gradients", at_least=1)
+    max_staleness: int = setting(
+        -1, "ray: a gradient is applied at most this many updates after its params; -1: unbounded", at_least=-1
+    )
+    staleness_lr: str = setting(
+        "none", "ray: inverse scales each update by 1 / (1 + staleness) (Zhang et al., 2016)", choices=STALENESS_LR
+    )
+    slow_workers: str = setting(
+        "", "I:FACTOR,... worker I (spmd: process I) runs FACTOR x slower, by waiting (tests, benchmarks)"
+    )
+    worker_restarts: int = setting(3, "ray: dead workers replaced before the run fails", at_least=0)
+    ray_address: str = setting("", "ray: a cluster's address (auto: the one `ray start` began); empty: local Ray")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.slowdowns()  # a malformed engine.slow_workers is refused where it enters
+
+    def slowdowns(self) -> dict[int, float]:
+        """`slow_workers` as {worker index: factor}: worker I (with `kind=spmd`, process I) waits until each of its
+        gradients (steps) took FACTOR times as long as it computed, as a node FACTOR times slower would (the machine's
+        cores are not taken). Under spmd an index beyond the job's processes is refused when the run starts."""
+        found = {}
+        for item in filter(None, (part.strip() for part in self.slow_workers.split(","))):
+            index, _, factor = item.partition(":")
+            try:
+                worker, slowdown = int(index), float(factor)
+            except ValueError:
+                worker, slowdown = -1, 0.0
+            if worker < 0 or not slowdown >= 1:
+                raise ConfigError(
+                    f"engine.slow_workers='{self.slow_workers}': '{item}' is not I:FACTOR with a worker index I >= 0 "
+                    "and a factor >= 1, e.g. --slow-worker 1:3 (worker 1 three times slower)."
+                )
+            if self.kind == "ray" and worker >= self.workers:
+                raise ConfigError(
+                    f"engine.slow_workers='{self.slow_workers}': worker {worker} does not exist with engine.workers="
+                    f"{self.workers} (workers are 0..{self.workers - 1})."
+                )
+            found[worker] = slowdown
+        return found
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     model_name: str
@@ -222,9 +286,10 @@ class RunConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    engine: EngineConfig = EngineConfig()
 
 
-SECTIONS = ("model", "optimizer", "data", "train")
+SECTIONS = ("model", "optimizer", "data", "train", "engine")
 
 
 # The data a model trains on by default, by its task; language models take DataConfig()'s.

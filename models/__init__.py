@@ -6,7 +6,7 @@ with `train_flops(batch_size, seq_len)`, and named presets. Nothing here knows a
 """
 
 from jaxtrain.registry import register_model
-from models import gpt, llama, mlp, moe, recsys, resnet
+from models import alphazero, gpt, llama, mlp, moe, recsys, resnet
 
 register_model("gpt", gpt.GPT, gpt.PRESETS, task="lm", default_preset="cpu")
 register_model("llama", gpt.GPT, llama.PRESETS, task="lm", default_preset="cpu")
@@ -14,3 +14,4 @@ register_model("mlp", mlp.MLP, mlp.PRESETS, task="classification", default_prese
 register_model("resnet", resnet.ResNet, resnet.PRESETS, task="classification", default_preset="digits")
 register_model("recsys", recsys.DLRM, recsys.PRESETS, task="clicks", default_preset="tiny")
 register_model("moe", moe.MoE, moe.PRESETS, task="lm", default_preset="tiny")
+register_model("alphazero", alphazero.AlphaZeroNet, alphazero.PRESETS, task="selfplay", default_preset="connect4")

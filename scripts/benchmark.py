@@ -22,6 +22,8 @@ Sections:
              shards vs synthetic tokens (target: within 3%, the loader never the bottleneck)
   hf         Hugging Face import and export of a >= 1 GB Llama built here: MB/s and each process's peak RSS against
              model bytes / processes + the largest tensor + 1 GiB
+  async      the Ray engine, 4 workers with one slowed 3x by waiting: samples/s of async vs sync updates (target >= 1.5)
+             and validation loss vs wall time of both, on tinyshakespeare (else the built-in text); --async-plot PNG
 """
 
 from __future__ import annotations
@@ -846,6 +848,76 @@ def bench_hf(args, peak) -> dict:
     return report
 
 
+def async_run(args, mode: str) -> dict:
+    """One run of the Ray engine (`mode` async or sync) over the same samples, with its evaluations' wall times."""
+    from jaxtrain.asynchronous.engine import train_async
+    from jaxtrain.run_config import apply_overrides, default_config
+
+    shakespeare = Path(os.environ.get("JAXTRAIN_DATA_DIR", ROOT.parent / "shared" / "data")) / "tinyshakespeare.txt"
+    workers, updates = args.async_workers, args.async_samples // args.async_batch
+    per_update = workers if mode == "sync" else 1
+    overrides = [f"data.source={shakespeare if shakespeare.exists() else 'builtin'}", "seq_len=64"]
+    overrides += [f"batch_size={args.async_batch}", f"steps={updates // per_update}", "progress=false"]
+    overrides += [f"eval_every={max(1, updates // per_update // 6)}", "eval_batches=2", "log_every=1000"]
+    overrides += ["engine.kind=ray", f"engine.mode={mode}", f"workers={workers}", f"slow_workers={workers - 1}:3"]
+    cfg = apply_overrides(default_config("gpt-tiny"), overrides)
+    summary = train_async(cfg, log=lambda *_: None)
+    evals = [{"samples": row["step"] * per_update * args.async_batch, "wall_s": round(row["wall_s"], 2),
+              "val_loss": round(row["val_loss"], 4)} for row in summary["evals"]]  # fmt: skip
+    keys = ("samples_per_sec", "staleness_mean", "staleness_max", "gradients_per_worker", "loss")
+    return {**{k: summary[k] for k in keys}, "evals": evals, "data": overrides[0].split("=", 1)[1]}
+
+
+def bench_async(args, peak) -> dict:
+    """Async vs sync updates of the Ray engine with one worker slowed 3x, runs alternated, `--async-rounds` each."""
+    import ray
+
+    from jaxtrain.asynchronous.cluster import runtime_env
+
+    ray.init(num_cpus=args.async_workers, include_dashboard=False, runtime_env=runtime_env(), logging_level="warning")
+    runs = {"async": [], "sync": []}
+    try:
+        for _ in range(args.async_rounds):
+            for mode in runs:
+                runs[mode].append(async_run(args, mode))
+                log(f"async {mode}: {runs[mode][-1]}")
+    finally:
+        ray.shutdown()
+    rates = {mode: statistics.median(r["samples_per_sec"] for r in got) for mode, got in runs.items()}
+    report = {
+        "workers": args.async_workers,
+        "slowed": f"worker {args.async_workers - 1}: 3x",
+        "samples_per_sec": rates,
+        "async_over_sync": round(rates["async"] / rates["sync"], 3),
+        "target": 1.5,
+        "runs": runs,
+    }
+    if args.async_plot:
+        plot_async(runs, Path(args.async_plot))
+    return report
+
+
+def plot_async(runs: dict, out: Path) -> None:
+    """Validation loss against wall time, every run of each mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for (mode, got), color in zip(runs.items(), ("tab:blue", "tab:orange")):
+        for number, run in enumerate(got):
+            wall, loss = [e["wall_s"] for e in run["evals"]], [e["val_loss"] for e in run["evals"]]
+            label = f"{mode} ({run['samples_per_sec']:.0f} samples/s)"
+            axes.plot(wall, loss, marker="o", color=color, alpha=1 - 0.4 * number, label=label)
+    axes.set_xlabel("wall time (s)")
+    axes.set_ylabel("validation loss (nats/byte)")
+    axes.set_title("4 Ray workers, one 3x slower: async vs sync updates")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out, dpi=100)
+
+
 SECTIONS = {
     "meshes": bench_meshes,
     "variants": bench_variants,
@@ -859,6 +931,7 @@ SECTIONS = {
     "gradsync": bench_gradsync,
     "data": bench_data,
     "hf": bench_hf,
+    "async": bench_async,
 }
 
 
@@ -883,6 +956,11 @@ def main() -> None:
     parser.add_argument("--maxtext-rounds", type=int, default=3)
     parser.add_argument("--maxtext-steps", type=int, default=40)
     parser.add_argument("--maxtext-models", default="gpt,llama", help=f"of {', '.join(MAXTEXT_MODELS)}")
+    parser.add_argument("--async-workers", type=int, default=4, help="async section: Ray workers (the last slowed 3x)")
+    parser.add_argument("--async-batch", type=int, default=8, help="async section: rows per worker gradient")
+    parser.add_argument("--async-samples", type=int, default=1536, help="async section: samples trained per run")
+    parser.add_argument("--async-rounds", type=int, default=2, help="async section: runs of each mode, alternated")
+    parser.add_argument("--async-plot", default=None, help="async section: draw val loss vs wall time in this PNG")
     args = parser.parse_args()
 
     jax.config.update("jax_platforms", "cpu")

@@ -7,6 +7,15 @@ distributed runtime (collectives over gloo): what a pod does across hosts, on a 
 Everything after `--` goes to scripts/train.py in every process. Process i's output lines are prefixed `[i]`. If a
 process fails, the others get `--grace` seconds to stop on their own (JAX's heartbeat notices a dead peer), then
 are terminated; the exit status is the first failure's.
+
+Automatic restart: with `--max-restarts N` a failed job is started again, up to N times, and resumes from the newest
+checkpoint in its `--checkpoint-dir` (required), as a rerun by hand would. With `--elastic` it restarts with the
+processes that survived (those that did not fail first), so a mesh with a -1 axis absorbs the smaller device count;
+the data order is topology-independent, so the run continues where the checkpoint left it. Bad input (exit 2) and a
+stop by signal after saving (128 + N) are not restarted: a rerun would fail the same way, or someone asked to stop.
+
+    python scripts/launch_local.py --processes 2 --devices-per-process 4 --max-restarts 3 --elastic -- \
+        --model gpt-tiny --mesh data=-1 --steps 200 --checkpoint-dir runs/x
 """
 
 from __future__ import annotations
@@ -46,8 +55,13 @@ def _relay(index: int, stream, out) -> None:
         out.flush()
 
 
-def launch(processes: int, devices: int, train_args: list[str], grace: float = 60.0) -> int:
-    """Start every process, relay their output, and return the job's exit status."""
+# Exit statuses a restart cannot help: bad input (a rerun fails alike), and stops asked for by a signal after saving.
+NOT_RESTARTED = {2, 128 + 2, 128 + 15}
+
+
+def launch(processes: int, devices: int, train_args: list[str], grace: float = 60.0) -> tuple[int, list[int]]:
+    """Start every process, relay their output, and return the job's exit status and the processes that failed
+    first (on their own, before the others were stopped)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     running = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -58,11 +72,13 @@ def launch(processes: int, devices: int, train_args: list[str], grace: float = 6
     ]
     for relay in relays:
         relay.start()
-    failed_at = None
+    for index, process in enumerate(running):
+        print(f"[launch] process {index}: pid {process.pid}", flush=True)
+    failed_at, first = None, []
     while any(p.poll() is None for p in running):
         failed = [i for i, p in enumerate(running) if p.poll() not in (None, 0)]
         if failed_at is None and failed:
-            failed_at = time.monotonic()
+            failed_at, first = time.monotonic(), failed
             code = running[failed[0]].returncode
             print(f"[launch] process {failed[0]} exited with status {code}; the others get {grace:.0f} s", flush=True)
         if failed_at is not None and time.monotonic() - failed_at > grace:
@@ -73,7 +89,41 @@ def launch(processes: int, devices: int, train_args: list[str], grace: float = 6
     for relay in relays:
         relay.join(timeout=5)
     codes = [p.returncode for p in running]
-    return next((c for c in codes if c != 0), 0)
+    return next((c for c in codes if c != 0), 0), first
+
+
+def supervise(
+    processes: int, devices: int, train_args: list[str], max_restarts: int, elastic: bool, grace: float
+) -> int:
+    """Run the job; restart it after a failure up to `max_restarts` times (with only the survivors if `elastic`).
+    Returns the last attempt's exit status."""
+    for attempt in range(max_restarts + 1):
+        status, failed = launch(processes, devices, train_args, grace)
+        if status == 0 or status in NOT_RESTARTED or attempt == max_restarts:
+            return status
+        survivors = processes - len(failed) if elastic else processes
+        if survivors < 1:
+            return status
+        print(f"[launch] restart {attempt + 1} of {max_restarts}: {survivors} processes, from the newest checkpoint",
+              flush=True)  # fmt: skip
+        processes = survivors
+    return status
+
+
+def check_restartable(max_restarts: int, elastic: bool, train_args: list[str]) -> str | None:
+    """Why these restart settings cannot work, or None. A restart resumes from the checkpoint directory that the
+    training arguments name (a flag, a key=value, or a --config file that may hold one)."""
+    if elastic and not max_restarts:
+        return "--elastic changes the process count of a restart: give --max-restarts N too"
+    names_checkpoints = any(
+        key in arg for arg in train_args for key in ("--checkpoint-dir", "checkpoint_dir=", "--config")
+    )
+    if max_restarts and not names_checkpoints:
+        return (
+            f"--max-restarts {max_restarts} restarts from the newest checkpoint, but the training arguments name no "
+            "--checkpoint-dir: add one (e.g. -- ... --checkpoint-dir runs/x --checkpoint-every 50)"
+        )
+    return None
 
 
 def main() -> int:
@@ -83,10 +133,17 @@ def main() -> int:
     parser.add_argument(
         "--grace", type=flag_type(float, at_least=0), default=60.0, help="seconds the others get after a process fails"
     )
+    parser.add_argument(
+        "--max-restarts", type=flag_type(at_least=0), default=0, help="restart a failed job up to N times (0)"
+    )
+    parser.add_argument("--elastic", action="store_true", help="restart with the processes that survived")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then scripts/train.py's arguments")
     args = parser.parse_args()
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    return launch(args.processes, args.devices_per_process, train_args, args.grace)
+    problem = check_restartable(args.max_restarts, args.elastic, train_args)
+    if problem:
+        parser.error(problem)
+    return supervise(args.processes, args.devices_per_process, train_args, args.max_restarts, args.elastic, args.grace)
 
 
 if __name__ == "__main__":

@@ -206,6 +206,12 @@ def test_slurm_refuses_directive_values_with_spaces(flag: str) -> None:
         ),
         ("launch_local.py", ["--processes", "2", "--devices-per-process", "0"], "--devices-per-process: expected an"),
         ("launch_local.py", ["--processes", "2", "--devices-per-process", "4", "--grace", "nan"], "expected a finite"),
+        (
+            "launch_local.py",
+            ["--processes", "2", "--devices-per-process", "4", "--max-restarts", "2"],
+            "name no --checkpoint-dir",
+        ),
+        ("launch_local.py", ["--processes", "2", "--devices-per-process", "4", "--elastic"], "give --max-restarts"),
     ],
 )
 def test_launchers_refuse_counts_they_cannot_run(script: str, args: list[str], message: str) -> None:

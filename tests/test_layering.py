@@ -1,7 +1,8 @@
 """Dependencies point one way, read from the source's import statements (those inside functions included):
 
     base (errors, settings, files, formatting, registry, devices)
-      < analysis, sharding, data  < parallel  < run_config  < training  < planner  < cli and the public API
+      < analysis, sharding, data  < parallel  < run_config  < training  < planner, asynchronous  < cli and the
+      public API
 
 No module imports one of a higher layer, no two modules import each other through any chain, the library never
 imports `models`, `scripts` or `tests`, models import only the sharding helpers, the kernels of `jaxtrain.ops` and
@@ -33,6 +34,8 @@ LAYERS = {
     "jaxtrain.planner": 5,
     "jaxtrain.inference": 5,
     "jaxtrain.interop": 5,  # Hugging Face import/export: checkpoints, plans, the run config
+    "jaxtrain.rl": 5,  # self-play, search and the replay buffer: a dataset for the training step
+    "jaxtrain.asynchronous": 5,  # the Ray parameter-server engine: the run built per worker, checkpoints, metrics
     "jaxtrain.cli": 6,
     "jaxtrain": 6,  # the public API, jaxtrain/__init__.py
 }

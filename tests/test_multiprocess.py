@@ -3,6 +3,7 @@ process, checkpoints that move between process layouts, and a dead peer that sto
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -124,6 +125,44 @@ def test_a_dead_peer_stops_the_job_and_a_rerun_resumes(tmp_path):
     assert f"resuming at step {saved}" in rerun.stdout
 
 
+@pytest.mark.slow  # a two-process launch, a kill, a heartbeat timeout and a restart: ~90 s each
+@pytest.mark.parametrize("elastic", [False, True])
+def test_the_launcher_restarts_a_killed_job_by_itself(elastic, reference16, tmp_path):
+    """kill -9 process 1 of 2 mid-run: `launch_local.py --max-restarts 1` restarts the job from its newest checkpoint
+    with 2 processes (or, `--elastic`, with the 1 that survived: mesh data=-1 over its 4 devices), and the run
+    finishes by itself with the losses of an uninterrupted run."""
+    directory, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    command = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2", "--devices-per-process"]
+    command += ["4", "--max-restarts", "1", "--grace", "5", *["--elastic"] * elastic, "--", *ARGS, "--mesh", "data=-1"]
+    command += ["--steps", "16", "--checkpoint-dir", str(directory), "--checkpoint-every", "4"]
+    command += ["--metrics-file", str(metrics), "--heartbeat-timeout", "10"]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    lines, pids = [], {}
+    for line in job.stdout:
+        lines.append(line)
+        if found := re.match(r"\[launch\] process (\d): pid (\d+)", line):
+            pids.setdefault(int(found.group(1)), int(found.group(2)))
+        if line.startswith("[0] step      6") and "killed" not in pids:
+            os.kill(pids[1], signal.SIGKILL)
+            pids["killed"] = True
+    assert job.wait(timeout=60) == 0, "".join(lines[-40:])
+    output = "".join(lines)
+    assert f"restart 1 of 1: {1 if elastic else 2} processes" in output and "resuming at step 4" in output
+    losses = logged(metrics)
+    assert sorted(losses) == list(range(1, 17))
+    for step, loss in losses.items():  # a smaller mesh sums in another order: float32 rounding only
+        assert loss == pytest.approx(reference16[step], rel=1e-4 if elastic else 1e-5)
+
+
+@pytest.fixture(scope="module")
+def reference16():
+    """16 steps in this process on 8 devices, mesh data=8."""
+    overrides = ["mesh=data=8", "steps=16", "batch_size=8", "seq_len=32", "log_every=1", "eval_every=1000"]
+    overrides += ["warmup_steps=1", "learning_rate=0.01", "progress=false"]
+    summary = train(apply_overrides(default_config("gpt-tiny"), overrides), log=lambda *_: None)
+    return {r["step"]: r["loss"] for r in summary["history"]}
+
+
 def test_a_process_id_outside_the_job_is_refused_before_joining():
     command = commands(2, 2, free_port(), [*ARGS, "--steps", "1"])[1]
     command[command.index("--process-id") + 1] = "2"
@@ -205,3 +244,11 @@ def test_an_unwritable_directory_ends_every_process_with_74_within_30_s(tmp_path
     assert f"error: {failed}" in stderr and f"error: process 0: {failed}" in stderr
     reported = min(t for t, line in lines if line.startswith("error:"))
     assert ended - reported <= 30, ended - reported
+
+
+@pytest.mark.slow  # a two-process launch: ~30 s
+def test_a_slowed_process_is_named_as_the_straggler(tmp_path):
+    """Synchronous SPMD over 2 processes, process 1 slowed 3x by waiting: process 0's log names process 1."""
+    done = launch(2, 4, "--mesh", "data=8", "--steps", "12", "--slow-worker", "1:3")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "[0] straggler at step 10: process 1 takes" in done.stdout

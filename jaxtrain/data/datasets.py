@@ -437,6 +437,11 @@ def make_dataset(
     `Digits`. `tokens` says where tokenized data is and how to read it (`source` tokens, or tokens:DIR).
     """
     check_partition(partition, replicas)
+    if task == "selfplay":
+        raise DataError(
+            f"data source '{source}': a selfplay model (alphazero) trains on positions of its own games, which the "
+            "run brings as its dataset: run scripts/alphazero.py (docs/rl.md)."
+        )
     tokens = tokens or TokenOptions()
     token_dirs = token_sources(source, tokens.path, tokens.mixture)
     if token_dirs is not None:

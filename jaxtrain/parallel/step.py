@@ -112,6 +112,7 @@ def apply_update(
     schedule: optax.Schedule,
     applied: PyTree | None = None,
     ready: jax.Array | None = None,
+    update_scale: jax.Array | None = None,
 ) -> tuple[dict[str, PyTree], dict[str, jax.Array], jax.Array]:
     """The update core every step shares. From `gradient`, what a `GradFn` returns at `state["params"]`
     (((loss, metrics), grads)): the gradient's norm, whether it and the loss are finite, one optimizer update of
@@ -121,7 +122,8 @@ def apply_update(
     A non-finite loss or gradient leaves params and optimizer state as they were (`nonfinite` is 1): one bad batch
     or one overflow must not poison the run. The step counter, which is also the data position, still advances.
     `applied`: the gradient to apply instead of this one (the stale policy applies an older one; `finite` and the
-    metrics still describe this one); `ready`: apply only where it is true too.
+    metrics still describe this one); `ready`: apply only where it is true too; `update_scale`: multiplies the
+    optimizer's update (an asynchronous server's staleness-aware learning rate, `jaxtrain.asynchronous.server`).
     """
     (loss, metrics), grads = gradient
     grad_norm = optax.tree.norm(grads)
@@ -130,6 +132,8 @@ def apply_update(
 
     def update():
         updates, new_opt_state = optimizer.update(grads if applied is None else applied, opt_state, params)
+        if update_scale is not None:
+            updates = jax.tree.map(lambda u: u * update_scale.astype(u.dtype), updates)
         return optax.apply_updates(params, updates), new_opt_state
 
     # A cond rather than a select per array: the skipped branch costs nothing and the taken one no extra pass.

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxtrain.analysis.flops import peak_flops
 from jaxtrain.data.datasets import Dataset
-from jaxtrain.run_config import RunConfig
+from jaxtrain.run_config import ConfigError, RunConfig
 from jaxtrain.training import run_lock
 from jaxtrain.training.checkpoint import Checkpoints
 from jaxtrain.training.distributed import to_host
@@ -42,6 +42,7 @@ from jaxtrain.training.recovery import (
 )
 from jaxtrain.training.run_identity import config_json
 from jaxtrain.training.setup import Setup, setup
+from jaxtrain.training.stragglers import StepTimes
 from jaxtrain.training.tracking import WandbSink, wandb_module
 
 
@@ -74,6 +75,11 @@ def train(
     the newest checkpoint and skips the batches since. With several processes, process 0 logs, writes the metrics
     (file, TensorBoard, `on_metrics`); every process trains and checkpoints its shards.
     """
+    if cfg.engine.kind != "spmd":  # the asynchronous engine is another program, not a variant of this loop
+        raise ConfigError(
+            f"engine.kind={cfg.engine.kind}: this is the SPMD loop. Run the engine with `jaxtrain train --engine ray` "
+            "or jaxtrain.asynchronous.engine.train_async(cfg)."
+        )
     lead = jax.process_index() == 0
     log = log if lead else lambda *_: None
     if lead and cfg.train.tensorboard_dir:
@@ -148,21 +154,25 @@ def _loop(
     recorder.start(progress.step)
     pending = None  # a logged step's metrics, read only once the next step runs
     batch = run.batch("train", progress.step + progress.data_offset)
+    times = StepTimes(run.cfg.engine.slowdowns(), log)  # each process's own time per step: who is the straggler
     preempted = False
     while progress.step < steps and not preempted:
         number = progress.step + 1
         try:
-            state, metrics = profiler.run(number, functools.partial(run.train_step, state, batch))
+            with times.own():
+                state, metrics = profiler.run(number, functools.partial(run.train_step, state, batch))
         except jax.errors.JaxRuntimeError as err:
             memory_profile_on_oom(number, t.profile_dir or t.checkpoint_dir or ".")(err)
             raise
+        times.stepped(metrics)
         done = progress.step = number
         skipped.add(done, metrics)
         if pending:
             recorder.record(*pending)
             pending = None
         if done < steps:
-            batch = run.batch("train", done + progress.data_offset)  # built on the host while the device computes
+            with times.own():
+                batch = run.batch("train", done + progress.data_offset)  # built on the host while the device computes
         preempted = preemption_requested(stop, done)
         save = checkpoints is not None and (checkpoints.due(done, steps) or preempted)
         bad_step = skipped.read(keep_newest=not save)  # a save waits for the step anyway: read its flag too
@@ -173,6 +183,8 @@ def _loop(
             recorder.sink.rewind(progress.step)
             continue  # if preempted too, stop: the checkpoint just restored is on disk, and a rerun resumes there
         extra = {"nonfinite_total": progress.nonfinite_total, **run.data_metrics(done + progress.data_offset)}
+        if done % t.log_every == 0 or done == steps:
+            times.check(done)
         if done % t.eval_every == 0 or done == steps:
             # Now, before the next step donates the params.
             recorder.record(done, metrics, extra, functools.partial(evaluate, run, state["params"]))

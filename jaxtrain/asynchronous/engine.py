@@ -1,0 +1,278 @@
+"""The asynchronous engine's driver: start the Ray processes, hand out batches, route gradients to the server shards,
+log, evaluate, checkpoint, and replace dead workers. `jaxtrain train --engine ray --workers W --ps-shards S` runs it.
+
+>>> cfg = apply_overrides(default_config("gpt-tiny"), ["engine.kind=ray", "workers=4", "ps_shards=2"])  # doctest: +SKIP
+>>> summary = train_async(cfg)                                                              # doctest: +SKIP
+>>> summary["samples_per_sec"], summary["staleness_mean"]                                  # doctest: +SKIP
+
+The driver moves no arrays itself: it passes Ray object references, so a gradient travels from its worker to each
+server shard, and params from the shards to a worker, through Ray's object store. Each update is sent to every shard
+in the same order (Ray runs one caller's calls to an actor in order), so the shards agree on every version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import ray
+from ray.exceptions import RayActorError
+
+from jaxtrain.asynchronous import cluster
+from jaxtrain.asynchronous.dispatch import Applied, Dispatcher, Job, staleness_report
+from jaxtrain.asynchronous.shards import assign_leaves, split
+from jaxtrain.errors import UserInputError
+from jaxtrain.run_config import ConfigError, RunConfig
+from jaxtrain.sharding.mesh import parse_layout
+from jaxtrain.training import run_identity, run_lock
+from jaxtrain.training.checkpoint import Checkpoints
+from jaxtrain.training.metrics import MetricsLog
+from jaxtrain.training.recovery import Progress, check_resume, open_checkpoints, write_run_config
+
+BATCH_LOG = "batch_log.jsonl"  # in the checkpoint directory: one row per applied gradient (`dispatch.Applied`)
+
+
+class WorkersLost(UserInputError):
+    """Workers kept dying: more than `engine.worker_restarts` replacements."""
+
+
+def check_engine(cfg: RunConfig) -> None:
+    """What the engine cannot do, refused before any process starts."""
+    if parse_layout(cfg.mesh).axes.get("pipeline", 1) > 1:
+        raise ConfigError(
+            f"--engine ray with mesh '{cfg.mesh}': a worker's mesh cannot have a pipeline axis yet (server shards "
+            "hold params in the model's layer order). Use data, fsdp and tensor axes inside a worker."
+        )
+    if cfg.train.sync != "synchronous":
+        raise ConfigError(
+            f"train.sync={cfg.train.sync} with --engine ray: the engine's own policy (engine.mode, "
+            "engine.max_staleness) decides when gradients meet the params; leave train.sync=synchronous."
+        )
+
+
+def train_async(
+    cfg: RunConfig, log: Callable[[str], None] = print, on_metrics: Callable[[dict], None] | None = None
+) -> dict[str, Any]:
+    """Train `cfg` with `engine.workers` Ray workers and `engine.ps_shards` server shards until the servers have
+    applied `train.steps` updates. Returns the summary: final loss and validation metrics, samples/s, staleness
+    statistics, gradients per worker, the batch log, the evaluations (with wall time) and the logged history.
+
+    With `train.checkpoint_dir` it holds the directory's lock, resumes from its newest checkpoint when the config
+    defines the same run, and saves the server state every `checkpoint_every` updates and at the end (Orbax, as
+    `jaxtrain train`); batches handed out but not applied at a save are handed out again on resume."""
+    check_engine(cfg)
+    with run_lock.holding(cfg.train.checkpoint_dir, log), cluster.connected(cfg.engine, log):
+        run_name = check_resume(cfg)
+        with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
+            job = _Job(cfg, log, checkpoints, run_name)
+            try:
+                return job.run(on_metrics)
+            finally:
+                job.stop()
+
+
+class _Job:
+    """One run of the engine: its processes, its dispatcher and its outputs."""
+
+    def __init__(self, cfg: RunConfig, log: Callable[[str], None], checkpoints: Checkpoints | None, run_name: str):
+        self.cfg, self.log, self.checkpoints, self.run_name = cfg, log, checkpoints, run_name
+        engine = cfg.engine
+        self.slowdowns = engine.slowdowns()
+        self.workers = self._start_workers(list(range(engine.workers)))
+        leaves, names = ray.get(self.workers[0].initial.remote())
+        self.owned = assign_leaves([leaf.nbytes for leaf in leaves], engine.ps_shards)
+        ray.get([w.set_shards.remote(self.owned) for w in self.workers])
+        parts = zip(split(names, self.owned), split(leaves, self.owned))
+        self.servers = [cluster.start_server(cfg, names_part, part) for names_part, part in parts]
+        ray.get([s.applied_count.remote() for s in self.servers])  # started: the run's clock does not count it
+        self.progress, self.dispatcher = self._restore()
+        self.restarts = 0
+        self.latest: list | None = None  # references to the shards' params at the dispatcher's version
+
+    def _start_workers(self, indices: list[int]) -> list[Any]:
+        """Worker actors for `indices`, built in parallel (each builds and compiles its run)."""
+        workers = [cluster.start_worker(self.cfg, i, self.slowdowns.get(i, 1.0)) for i in indices]
+        for index, pid in zip(indices, ray.get([w.pid.remote() for w in workers])):
+            slowed = f", slowed {self.slowdowns[index]:g}x" if index in self.slowdowns else ""
+            self.log(f"worker {index}: pid {pid}{slowed}")
+        return workers
+
+    def _restore(self) -> tuple[Progress, Dispatcher]:
+        """The newest checkpoint's server state, loaded into the shards, and the position it records; else a start."""
+        e = self.cfg.engine
+        fresh = Progress(run=self.run_name)
+        found = self.checkpoints.restore_latest(self._abstract_state(), self._accept) if self.checkpoints else None
+        if found is None:
+            return fresh, Dispatcher(e.workers, e.mode, e.max_staleness, e.pull_every)
+        state, meta = found
+        ray.get([s.load.remote(jax.device_get(part)) for s, part in zip(self.servers, state["shards"])])
+        progress, position = Progress.from_meta(meta), meta["engine"]
+        self.log(f"resuming at update {progress.step} from a checkpoint ({len(position['requeued'])} batches to redo)")
+        _keep_log_rows(self.cfg, progress.step)
+        where = (progress.step, position["next_batch"], position["requeued"])
+        return progress, Dispatcher(e.workers, e.mode, e.max_staleness, e.pull_every, *where)
+
+    def _accept(self, step_dir: Path, meta: dict[str, Any]) -> None:
+        run_identity.check(step_dir, meta, self.cfg)
+
+    def _abstract_state(self) -> dict[str, Any]:
+        device = jax.devices("cpu")[0]
+        states = ray.get([s.state_on_host.remote() for s in self.servers])
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device))  # noqa: E731
+        return {"shards": jax.tree.map(spec, states)}
+
+    def run(self, on_metrics: Callable[[dict], None] | None) -> dict[str, Any]:
+        t = self.cfg.train
+        sink = MetricsLog(t.metrics_file or None, t.steps, t.progress, on_record=on_metrics, run=self.run_name,
+                          start=self.progress.step)  # fmt: skip
+        self.history: list[dict[str, Any]] = []
+        self.evals: list[tuple[int, float, Any]] = []
+        running: dict[Any, int] = {}  # the metrics reference of each worker's gradient in flight -> the worker
+        gradients: dict[int, tuple] = {}  # sync: the gathered gradients of the round, by worker
+        self.start = time.perf_counter()
+        self.clock = None  # (time, samples) when the first update was applied: compiles are not throughput
+        with contextlib.closing(sink):
+            while self.dispatcher.version < t.steps:
+                for worker in range(len(self.workers)):
+                    if worker not in running.values():
+                        self._dispatch(worker, running, gradients)
+                done, _ = ray.wait(list(running), num_returns=1)
+                worker = running.pop(done[0])
+                try:
+                    info = ray.get(done[0])
+                except RayActorError:
+                    self._replace(worker)
+                    continue
+                rows = self.dispatcher.complete(worker)
+                gradients[worker] = (info, gradients.pop(worker)[1])
+                if rows:
+                    self._apply(rows, [gradients.pop(r.worker) for r in rows], sink)
+        self.finished = time.perf_counter()  # the evaluations still running are not training time
+        return self._summary()
+
+    def _dispatch(self, worker: int, running: dict, gradients: dict) -> None:
+        job = self.dispatcher.assign(worker)
+        if job is None:
+            return
+        pulled = self._params() if job.pull else []
+        refs = self.workers[worker].gradient.options(num_returns=1 + len(self.servers)).remote(job.batch, *pulled)
+        running[refs[0]] = worker
+        gradients[worker] = (None, refs[1:])
+
+    def _params(self) -> list:
+        """References to every shard's (version, params) after the updates sent so far."""
+        if self.latest is None:
+            self.latest = [s.params.remote() for s in self.servers]
+        return self.latest
+
+    def _apply(self, rows: list[Applied], gathered: list[tuple], sink: MetricsLog) -> None:
+        """Send one update, the mean of `gathered` (each (metrics, refs per shard)), to every shard; log it."""
+        e, t = self.cfg.engine, self.cfg.train
+        infos = [info for info, _ in gathered]
+        finite = all(info["finite"] for info in infos)
+        staleness = max(row.staleness for row in rows)
+        scale = 1.0 / (1 + staleness) if e.staleness_lr == "inverse" else 1.0
+        for shard, server in enumerate(self.servers):
+            server.apply.remote(0.0 if finite else float("nan"), scale, *(refs[shard] for _, refs in gathered))
+        self.latest = None
+        version = self.dispatcher.version
+        self.progress.step = version
+        self.progress.nonfinite_total += not finite
+        if self.clock is None:
+            self.clock = (time.perf_counter(), self.dispatcher.version)
+        record = {
+            "loss": float(np.mean([info["loss"] for info in infos])),
+            "grad_norm": float(np.mean([info["grad_norm"] for info in infos])),
+            "staleness": staleness,
+            "worker": rows[0].worker if len(rows) == 1 else -1,
+            "wall_s": time.perf_counter() - self.start,
+        }
+        self.history.append({"step": version, **record})
+        _append_log_rows(self.cfg, rows)
+        if version % t.log_every == 0 or version == t.steps:
+            sink.write(version, record)
+        if version % t.eval_every == 0 or version == t.steps:
+            self.evals.append((version, record["wall_s"], self.workers[0].evaluate.remote(*self._params())))
+        if self.checkpoints and self.checkpoints.due(version, t.steps):
+            self._save()
+
+    def _save(self) -> None:
+        """Checkpoint the shards' state at the current version, with the position to resume from."""
+        states = ray.get([s.state_on_host.remote() for s in self.servers])  # after every update sent: in order
+        position = {"next_batch": self.dispatcher.next_batch, "requeued": self.dispatcher.unapplied()}
+        meta = {**self.progress.meta(), "config": run_identity.config_json(self.cfg), "engine": position}
+        self.checkpoints.save(self.progress.step, {"shards": states}, meta)
+        write_run_config(self.cfg, self.progress.step)
+        self.log(f"checkpoint at update {self.progress.step}")
+
+    def _replace(self, worker: int) -> None:
+        """A worker died: start another in its place; its batch goes out again."""
+        job: Job | None = self.dispatcher.drop(worker)
+        self.restarts += 1
+        limit = self.cfg.engine.worker_restarts
+        if self.restarts > limit:
+            raise WorkersLost(
+                f"worker {worker} died, after {limit} replacements already (engine.worker_restarts={limit}): look at "
+                "the workers' logs (Ray's session directory), or allow more replacements."
+            )
+        self.log(f"worker {worker} died{f' computing batch {job.batch}' if job else ''}; starting a replacement")
+        self.workers[worker] = self._start_workers([worker])[0]
+        ray.get(self.workers[worker].set_shards.remote(self.owned))
+
+    def _summary(self) -> dict[str, Any]:
+        e, t = self.cfg.engine, self.cfg.train
+        evals = [{"step": step, "wall_s": wall, **ray.get(ref)} for step, wall, ref in self.evals]
+        for row in evals:
+            self.log(f"update {row['step']}: val_loss {row['val_loss']:.4f} ({row['wall_s']:.1f} s)")
+        applied = ray.get([s.applied_count.remote() for s in self.servers])
+        per_update = self.cfg.data.batch_size * (e.workers if e.mode == "sync" else 1)
+        began, first = self.clock or (self.finished, t.steps)
+        elapsed = self.finished - began
+        rate = per_update * (self.dispatcher.version - first) / elapsed if elapsed > 0 else float("nan")
+        last = self.history[-1] if self.history else {"step": self.progress.step, "loss": float("nan")}
+        summary = {
+            "steps": self.dispatcher.version,
+            "loss": last["loss"],
+            **{k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("val_")},
+            "samples_per_sec": rate,
+            "gradients_applied_per_shard": applied,
+            "worker_restarts": self.restarts,
+            **staleness_report(self.dispatcher.log, e.workers),
+        }
+        self.log(
+            "done: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
+        )
+        return {**summary, "batch_log": self.dispatcher.log, "evals": evals, "history": self.history}
+
+    def stop(self) -> None:
+        for actor in [*self.workers, *self.servers]:
+            ray.kill(actor)
+
+
+def _log_path(cfg: RunConfig) -> Path | None:
+    return Path(cfg.train.checkpoint_dir) / BATCH_LOG if cfg.train.checkpoint_dir else None
+
+
+def _append_log_rows(cfg: RunConfig, rows: list[Applied]) -> None:
+    path = _log_path(cfg)
+    if path is None:
+        return
+    with path.open("a") as out:
+        for row in rows:
+            out.write(f'{{"update": {row.update}, "batch": {row.batch}, "worker": {row.worker}, '
+                      f'"read_version": {row.read_version}}}\n')  # fmt: skip
+
+
+def _keep_log_rows(cfg: RunConfig, version: int) -> None:
+    """On resume at `version`: drop the batch log's rows of updates after it (they will be made again)."""
+    path = _log_path(cfg)
+    if path is None or not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if json.loads(line)["update"] <= version]
+    path.write_text("".join(f"{line}\n" for line in rows))

@@ -1,0 +1,48 @@
+"""A replay buffer of self-play positions, read by jaxtrain's train step as a `Dataset` (task `selfplay`): batch
+`step` is drawn from the positions held when it is read, by a generator seeded with (seed, step, row), so on any
+mesh or process count the same step draws the same rows from the same buffer."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxtrain.data.datasets import SPLITS
+from jaxtrain.errors import UserInputError
+
+
+class ReplayBuffer:
+    """The newest `capacity` positions: observation, policy target, value target."""
+
+    task = "selfplay"
+
+    def __init__(self, observation: tuple[int, ...], actions: int, capacity: int, seed: int):
+        if capacity < 1:
+            raise UserInputError(f"replay capacity {capacity}: give at least 1 position.")
+        self.observation, self.actions, self.capacity, self.seed = observation, actions, capacity, seed
+        self.data = {
+            "observation": np.zeros((0, *observation), np.float32),
+            "policy": np.zeros((0, actions), np.float32),
+            "value": np.zeros((0,), np.float32),
+        }
+
+    def __len__(self) -> int:
+        return len(self.data["value"])
+
+    def add(self, rows: dict[str, np.ndarray]) -> None:
+        """Append positions (as `selfplay.training_rows` gives them), dropping the oldest beyond `capacity`."""
+        self.data = {k: np.concatenate([v, rows[k]])[-self.capacity :] for k, v in self.data.items()}
+
+    def shapes(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {
+            "observation": jax.ShapeDtypeStruct((batch_size, *self.observation), np.float32),
+            "policy": jax.ShapeDtypeStruct((batch_size, self.actions), np.float32),
+            "value": jax.ShapeDtypeStruct((batch_size,), np.float32),
+        }
+
+    def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
+        """Rows `rows` of batch `step`, uniformly from the buffer (both splits: self-play has no held-out data)."""
+        if not len(self):
+            raise UserInputError("the replay buffer is empty: add self-play positions before the first step.")
+        picks = [np.random.default_rng((self.seed, SPLITS[split], step, r)).integers(len(self)) for r in rows]
+        return {k: v[picks] for k, v in self.data.items()}

@@ -109,9 +109,11 @@ def test_stale_gradients_apply_the_gradient_of_tau_steps_ago(staleness):
             assert_equal(after, before)
             continue
         update = [-float(schedule(step - staleness)) * g for g in made[step - staleness]]
-        # Relative to the update (the params are far larger); float32 rounds before + update as the step does.
+        # Relative to the update (the params are far larger); float32 rounds before + update as the step does. The
+        # gradient here comes from a program of its own, the step's from inside the step: XLA sums them in different
+        # orders (1.9e-5 apart with this venv's packages of 2026-12-02), where a gradient of another step is O(1) off.
         error = max(np.linalg.norm(a - (b + u)) / np.linalg.norm(u) for a, b, u in zip(after, before, update))
-        assert error < 1e-5, (step, error)
+        assert error < 1e-4, (step, error)
 
 
 @pytest.mark.parametrize(

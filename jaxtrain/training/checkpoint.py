@@ -305,18 +305,17 @@ def carried_files(step_dir: Path) -> Path | None:
     return owner / CARRIED if (owner / CARRIED).is_dir() else None
 
 
-def carry_into(source: Path, run_directory: Path) -> Path | None:
-    """Copy the carried files of checkpoint `source` into `run_directory` (process 0; through a temporary name, so a
-    kill leaves none or all), unless it has them already. Returns the folder, or None when `source` carries none."""
+def carry_into(source: Path, run_directory: Path) -> None:
+    """Copy the carried files of checkpoint `source`, if any, into `run_directory` (process 0; through a temporary
+    name, so a kill leaves none or all), unless it has them already."""
     carried = carried_files(source)
     target = run_directory / CARRIED
     if carried is None or target.exists() or jax.process_index() != 0:
-        return None if carried is None else target
+        return
     partial = run_directory / f".{CARRIED}.copying"
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(carried, partial)
     partial.rename(target)
-    return target
 
 
 def is_params_export(path: str | Path) -> bool:

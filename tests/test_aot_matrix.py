@@ -1,7 +1,8 @@
 """Every feature compiled for hardware this machine does not have: the train step, ahead of time, for TPU v5p
-topologies (libtpu) and 8-GPU H100 nodes (the CUDA plugin), through `helpers.aot_run`. A case fails on any error only
-the TPU or GPU compiler raises, and then checks the collectives its feature must have, as the CPU tests do, in the
-communication report read from the compiled program (`jaxtrain.analysis.comm_report`).
+topologies (libtpu) and, for one feature of each kind, 8-GPU H100 nodes (the CUDA plugin), through
+`helpers.aot_run`. A case fails on any error only the TPU or GPU compiler raises, and then checks the collectives its
+feature must have, as the CPU tests do, in the communication report read from the compiled program
+(`jaxtrain.analysis.comm_report`).
 
 The compilers write some transfers in more than one form, and each check accepts the ones they legitimately use:
 - FSDP weight gathers: all-gathers, or (TPU, larger weights) windowed einsums, collective-permutes of shards that
@@ -97,7 +98,7 @@ class Case:
     check: Callable[[Setup, Program], None]  # raises AssertionError when the program lacks what the feature needs
     overrides: tuple[str, ...] = ()
     model: str = "gpt-tiny"
-    on: tuple[str, ...] = ("tpu", "gpu")  # keys of TARGETS
+    on: tuple[str, ...] = ("tpu",)  # keys of TARGETS
 
 
 @functools.cache
@@ -326,19 +327,19 @@ def across_hosts(run: Setup, program: Program) -> None:
 
 
 PIPELINE = "pipeline=2,data=2,tensor=2"
+# The GPU compiler takes 15-26 s a case here, 2-3x the TPU's: GPU compiles one feature of each kind, where its programs
+# differ from the TPU's (one flat all-reduce of all gradients, reduce-scatters, a pipeline tick in conditionals,
+# all-to-alls, hosts over InfiniBand). Its other cases passed when they ran here; the slow set dropped them for CI time,
+# and with them the TPU's variants of a feature (bfloat16 with remat, accumulation, stashed inputs, interleaving on 2
+# stages, bfloat16 ring messages, MoE with tensor parallelism; ring-bf16 on GPU took 89 s alone).
+BOTH = ("tpu", "gpu")
 CASES = [
-    Case("data", "data=8", data_parallel),
-    Case("fsdp", "fsdp=8", fsdp),
-    Case("fsdp-bf16-remat", "fsdp=8", fsdp, ("dtype=bfloat16", "remat=full")),
+    Case("data", "data=8", data_parallel, on=BOTH),
+    Case("fsdp", "fsdp=8", fsdp, on=BOTH),
     Case("tensor", "data=2,tensor=4", tensor_only),
     Case("3d", "data=2,fsdp=2,tensor=2", three_d),
-    Case("3d-accum-bf16", "data=2,fsdp=2,tensor=2", three_d, ("grad_accum=2", "dtype=bfloat16", "remat=save_dots")),
-    Case("gpipe", PIPELINE, pipelined, ("schedule=gpipe", "microbatches=4")),
+    Case("gpipe", PIPELINE, pipelined, ("schedule=gpipe", "microbatches=4"), on=BOTH),
     Case("1f1b", PIPELINE, pipelined, ("schedule=1f1b", "microbatches=4")),
-    Case("1f1b-stash-inputs", PIPELINE, pipelined, ("schedule=1f1b", "microbatches=4", "pipeline_stash=inputs")),
-    Case(
-        "interleaved", PIPELINE, pipelined, ("schedule=interleaved", "virtual_stages=2", "n_layers=4", "microbatches=4")
-    ),
     Case(
         "interleaved-4-stages",
         "pipeline=4,data=2",
@@ -346,16 +347,13 @@ CASES = [
         ("schedule=interleaved", "virtual_stages=2", "n_layers=8", "microbatches=8", "batch_size=16"),
     ),
     Case("fused", "data=8", fused, ("grad_sync=fused",)),
-    # The GPU compiler takes 100-200 s over an explicit sync of gpt-tiny here: ring-bf16 compiles the ring for both.
-    Case("ring", "data=8", explicit_sync, ("grad_sync=ring",), on=("tpu",)),
-    Case("ring-bf16", "data=8", explicit_sync, ("grad_sync=ring", "grad_compression=bf16")),
+    Case("ring", "data=8", explicit_sync, ("grad_sync=ring",)),
     Case("hierarchical", "replica=2,data=4", explicit_sync, ("grad_sync=hierarchical",)),
     Case("parameter-server", "data=8", explicit_sync, ("grad_sync=parameter_server", "ps_servers=2")),
     Case("local-sgd", "replica=2,data=4", local_updates, ("sync=local_sgd",)),
     Case("diloco", "replica=2,data=4", local_updates, ("sync=diloco",)),
     Case("stale", "data=8", data_parallel, ("sync=stale",)),
-    Case("moe", "data=2,expert=4", experts, ("capacity_factor=4",), model="moe"),
-    Case("moe-tensor", "data=2,expert=2,tensor=2", experts, ("capacity_factor=4",), model="moe"),
+    Case("moe", "data=2,expert=4", experts, ("capacity_factor=4",), model="moe", on=BOTH),
     Case("recsys", "data=2,tensor=4", tables_stay_sharded, ("batch_size=32", "vocab_size=2048"), model="recsys"),
     Case(
         "resnet",
@@ -369,7 +367,7 @@ CASES = [
     Case("two-slices", "tpu-v5e-2x256", across_slices, ("batch_size=16",), on=("tpu-2-slices",)),
     Case("four-hosts", "gpu-4x8", across_hosts, ("batch_size=32", "n_heads=8"), on=("gpu-4-hosts",)),
     # gpt-small's weights are large enough for the TPU compiler to gather them by windowed einsums.
-    Case("fsdp-windowed", "fsdp=8", fsdp_windowed, ("batch_size=16", "seq_len=1024"), model="gpt-small", on=("tpu",)),
+    Case("fsdp-windowed", "fsdp=8", fsdp_windowed, ("batch_size=16", "seq_len=1024"), model="gpt-small"),
 ]
 BY_NAME = {case.name: case for case in CASES}
 

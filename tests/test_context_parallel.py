@@ -70,16 +70,15 @@ def assert_equals_one_device(mesh, algorithm, packing, seq_len=512, overrides=()
 
 
 # (mesh, algorithm, packed documents, extra overrides): the default set covers both algorithms, both kinds of batch
-# and a hybrid mesh (the HLO tests read their programs); the slow set the rest of the matrix, with accumulation.
+# and a hybrid mesh (the HLO tests read their programs); the slow set each algorithm on the other meshes, with
+# accumulation. (context=4 unpacked, and ring packed on the hybrid mesh, passed when they ran here; the slow set dropped
+# them to fit CI's time: each is a kind of batch and a mesh another case covers.)
 DEFAULT_CASES = [
     ("context=4", "ring", True, ()),
     ("context=4", "allgather", True, ()),
     ("context=2,tensor=2,data=2", "ring", False, ()),
 ]
 SLOW_CASES = [
-    ("context=4", "ring", False, ()),
-    ("context=4", "allgather", False, ()),
-    ("context=2,tensor=2,data=2", "ring", True, ()),
     ("context=2,tensor=2,data=2", "allgather", True, ()),
     ("fsdp=2,context=4", "ring", True, ()),
     ("fsdp=2,context=4", "allgather", False, ()),

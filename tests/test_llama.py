@@ -143,8 +143,7 @@ def check_gradients(mesh: str, overrides: tuple[str, ...]) -> None:
         # 2 key/value heads over 4 tensor devices: they stay whole on each (the rule splits them where they divide).
         ("tensor=4", EVERYTHING),
         pytest.param("data=2,fsdp=2,tensor=2", UNTIED, marks=pytest.mark.slow),
-        pytest.param("fsdp=8", EVERYTHING, marks=pytest.mark.slow),
-        pytest.param("fsdp=8", UNTIED, marks=pytest.mark.slow),
+        pytest.param("fsdp=8", EVERYTHING, marks=pytest.mark.slow),  # untied on fsdp=8 dropped to fit CI's time
     ],
 )
 def test_meshes_compute_the_single_device_gradients(mesh, overrides):
@@ -160,8 +159,10 @@ def test_key_value_heads_that_do_not_split_are_replicated_with_a_warning(caplog)
     assert specs["w_q"] == jax.sharding.PartitionSpec(None, None, "tensor", None)  # query heads still split
 
 
+# The schedules are the model's business only through its layer stack: tests/test_pipeline.py runs each on gpt; here
+# the interleaved one, the most intricate (gpipe and 1f1b passed when they ran here; dropped to fit CI's time).
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["interleaved"])
 def test_pipeline_schedules_compute_the_single_device_gradients(schedule):
     extra = ("virtual_stages=2",) if schedule == "interleaved" else ()
     overrides = (*EVERYTHING, "n_layers=4", "batch_size=16", f"schedule={schedule}", "microbatches=4", *extra)

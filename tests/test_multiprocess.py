@@ -125,8 +125,10 @@ def test_a_dead_peer_stops_the_job_and_a_rerun_resumes(tmp_path):
     assert f"resuming at step {saved}" in rerun.stdout
 
 
-@pytest.mark.slow  # a two-process launch, a kill, a heartbeat timeout and a restart: ~90 s each
-@pytest.mark.parametrize("elastic", [False, True])
+# A two-process launch, a kill, a heartbeat timeout and a restart: ~60 s each. The elastic launcher restarts at the
+# same size here (the non-elastic one did too when it ran; dropped from the slow set to fit CI's time).
+@pytest.mark.slow
+@pytest.mark.parametrize("elastic", [True])
 def test_the_launcher_restarts_a_killed_job_by_itself(elastic, reference16, tmp_path):
     """kill -9 process 1 of 2 mid-run: `launch_local.py --max-restarts 1` restarts the job from its newest checkpoint
     with 2 processes (or, `--elastic`, with the 1 that survived: mesh data=-1 over its 4 devices), and the run

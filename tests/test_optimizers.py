@@ -86,7 +86,7 @@ def assert_params_close(got: list[np.ndarray], reference: list[np.ndarray], name
 @pytest.mark.parametrize("name", ["adafactor"])  # muon's passed when it ran here; dropped to fit CI's time
 def test_pipelined_run_with_a_padded_stage_equals_single_device(name):
     """Three layers on two pipeline stages store a padding row in the layer stack: Adafactor's per-parameter RMS
-    steps (taken per layer) and Muon's orthogonalisation (per layer) never see it."""
+    steps (taken per layer) never see it."""
     three_layers = (*overrides(name), "n_layers=3")
     ref_losses, ref_params = train(cached_run("single", three_layers), 4)
     losses, params = train(cached_run("pipeline=2,data=2,tensor=2", (*three_layers, "microbatches=4")), 4)

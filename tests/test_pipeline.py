@@ -37,18 +37,9 @@ def schedule_cases() -> list:
     stages, gpipe and 1f1b with M = 1 too, and the interleaved one (the most intricate table) with M = P on 4; the
     slow set each schedule with the most ticks (4 stages, M = 2P). The other counts are the same programs with
     other tick counts (they passed when they ran here; the slow set dropped them to fit CI's time)."""
-    default = {(2, 0), (2, 1)}
-    return [
-        pytest.param(
-            schedule,
-            p,
-            m,
-            marks=() if (p, m) in default or (schedule, p, m) == ("interleaved", 4, 1) else pytest.mark.slow,
-        )
-        for schedule in SCHEDULES
-        for p, m in [(2, 0), (2, 1), (4, 1), (4, 2)]
-        if (schedule != "interleaved" or m > 0) and ((p, m) != (4, 1) or schedule == "interleaved")
-    ]
+    default = [(s, 2, m) for s in SCHEDULES for m in (0, 1) if s != "interleaved" or m] + [("interleaved", 4, 1)]
+    slow = [pytest.param(s, 4, 2, marks=pytest.mark.slow) for s in SCHEDULES]
+    return default + slow
 
 
 @pytest.mark.parametrize("schedule,stages,per_stage", schedule_cases())

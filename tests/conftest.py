@@ -1,6 +1,7 @@
 """Tests run on 8 simulated CPU devices, set up here before JAX starts a backend."""
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -10,10 +11,16 @@ from jax.experimental.compilation_cache import compilation_cache
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
-# A per-run compilation cache: repeated compiles of the same step inside one run come back in milliseconds.
-jax.config.update(
-    "jax_compilation_cache_dir", os.environ.get("JAXTRAIN_TEST_XLA_CACHE", tempfile.mkdtemp(prefix="xla-"))
-)
+# One compilation cache per test run: repeated compiles of a program come back in milliseconds, for every process of
+# the run: pytest-xdist's workers (they inherit this environment from the process that starts them), the CLI run in
+# process (which would otherwise turn JAX to the user's ~/.cache/jaxtrain/xla) and the processes tests start. No
+# run's time depends on what an earlier run left behind.
+MADE_CACHE = "JAXTRAIN_TEST_XLA_CACHE" not in os.environ
+if MADE_CACHE:
+    os.environ["JAXTRAIN_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxtrain-test-xla-")
+XLA_CACHE = os.environ["JAXTRAIN_TEST_XLA_CACHE"]
+os.environ["JAXTRAIN_COMPILATION_CACHE"] = XLA_CACHE
+jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 # MFU is not what tests check, and a peak timed under the suite's own load would differ between runs: runs take this
@@ -67,3 +74,9 @@ def fresh_compiles():
         jax.monitoring.unregister_event_listener(on_event)
         jax.config.update("jax_enable_compilation_cache", enabled)
         compilation_cache.reset_cache()
+
+
+def pytest_unconfigure(config) -> None:
+    """The run's compilation cache goes with the run, once, from the process that made it (not an xdist worker)."""
+    if MADE_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(XLA_CACHE, ignore_errors=True)

@@ -12,7 +12,6 @@ import re
 import tempfile
 from pathlib import Path
 
-import jax
 import pytest
 from helpers import TINY, aot_run, aot_target
 
@@ -29,12 +28,6 @@ GPT_TINY = ["--model", "gpt-tiny", *TINY]
 # Over the HBM by its attention scores, (B, H, T, T) with the reference attention; with splash (auto on TPU) the
 # same step fits.
 OVERSIZED = ["--model", "gpt-tiny", *TINY, "batch_size=4096", "seq_len=2048", "attention=reference"]
-
-
-@pytest.fixture(autouse=True)
-def session_cache(monkeypatch):
-    """The command points JAX's compilation cache at the user's; keep the test session's."""
-    monkeypatch.setenv("JAXTRAIN_COMPILATION_CACHE", jax.config.jax_compilation_cache_dir)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import pytest
 
 import jaxtrain.training.checkpoint
@@ -149,8 +148,6 @@ def no_compiling(monkeypatch) -> list:
         raise AssertionError("a step was compiled")
 
     monkeypatch.setattr(jaxtrain.training.plan.Plan, "compile", refuse)
-    # The command points JAX's compilation cache at the user's; keep the test session's.
-    monkeypatch.setenv("JAXTRAIN_COMPILATION_CACHE", jax.config.jax_compilation_cache_dir)
     return compiled
 
 

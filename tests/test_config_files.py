@@ -6,7 +6,6 @@ import json
 import os
 import tomllib
 
-import jax
 import pytest
 from test_checkpoint import run_train
 
@@ -37,12 +36,6 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
         status = stop.code
     out = capsys.readouterr()
     return status, out.out + out.err
-
-
-@pytest.fixture(autouse=True)
-def test_compilation_cache(monkeypatch):
-    """The CLI's compilation cache is the test session's (conftest), not the user's."""
-    monkeypatch.setenv("JAXTRAIN_COMPILATION_CACHE", jax.config.jax_compilation_cache_dir)
 
 
 @pytest.fixture

@@ -27,7 +27,6 @@ def joins(monkeypatch) -> list[dict]:
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
     for var in [v for v in os.environ if v.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR", "KUBERNETES_"))]:
         monkeypatch.delenv(var)
-    monkeypatch.setenv("JAXTRAIN_COMPILATION_CACHE", jax.config.jax_compilation_cache_dir)  # keep the session's
     collectives = jax.config.jax_cpu_collectives_implementation  # initialize sets gloo for CPU devices
     yield calls
     jax.config.update("jax_cpu_collectives_implementation", collectives)

@@ -1,15 +1,26 @@
 """AlphaZero-style reinforcement learning (`jaxtrain.rl`, `scripts/alphazero.py`): the replay buffer and the value
-targets without the game, then (slow) self-play and learning on 1 and 4 devices, and a network that learns to win."""
+targets without the game, the checks that keep a resume to its own run, then (slow) self-play and learning on 1 and 4
+devices, a run resumed from its checkpoint on either, and a network that learns to win."""
 
+import os
+import shutil
+import signal
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from jaxtrain.rl.checkpoint import check_same_run
 from jaxtrain.rl.replay import ReplayBuffer
+from jaxtrain.training import run_identity
+from jaxtrain.training.checkpoint import Checkpoints
+from jaxtrain.training.run_identity import RunIdentityError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from alphazero import parse, run_config, selfplay_settings  # noqa: E402
+
+SMALL = ["--games", "8", "--simulations", "4", "--learner-steps", "3", "--batch-size", "16", "--eval-games", "4"]
 
 
 def positions(n: int, start: int = 0) -> dict[str, np.ndarray]:
@@ -32,6 +43,65 @@ def test_the_replay_buffer_keeps_the_newest_and_draws_by_step_and_row():
     assert set(first["value"]) <= set(buffer.data["value"])
 
 
+def test_the_replay_buffer_saves_padded_to_its_capacity_and_restores():
+    buffer = ReplayBuffer((6, 7, 2), 7, capacity=5, seed=3)
+    buffer.add(positions(3))
+    saved = buffer.saved()
+    assert saved["value"].shape == (5,) and int(saved["size"]) == 3
+    assert {k: (x.shape, x.dtype) for k, x in saved.items()} == {
+        k: (x.shape, x.dtype) for k, x in buffer.saved_shapes().items()
+    }
+    restored = ReplayBuffer((6, 7, 2), 7, capacity=5, seed=3)
+    restored.restore(saved)
+    for name, array in buffer.data.items():
+        np.testing.assert_array_equal(restored.data[name], array)
+    draw = buffer.rows("train", 4, range(8), 8)
+    np.testing.assert_array_equal(restored.rows("train", 4, range(8), 8)["value"], draw["value"])
+
+
+def test_checkpoint_flags_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--checkpoint-dir", "runs/az", "--checkpoint-every", "0"])
+    assert "argument --checkpoint-every: expected an integer >= 1, got '0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--checkpoint-every", "2"])
+    assert "--checkpoint-every 2 needs --checkpoint-dir DIR" in capsys.readouterr().err
+    assert parse(["--checkpoint-dir", "runs/az"]).checkpoint_every == 5
+
+
+def stored_meta(flags: list[str]) -> dict:
+    """The meta of a checkpoint that the run of `flags` wrote (what a resume compares)."""
+    args = parse(flags)
+    return {"config": run_identity.config_json(run_config(args)), "selfplay": selfplay_settings(args)}
+
+
+def test_a_resume_must_be_the_same_run_unless_a_change_is_allowed(tmp_path):
+    step_dir = tmp_path / "ckpt" / "12"
+    meta = stored_meta([*SMALL, "--iterations", "4", "--model", "alphazero-tiny"])
+    now = parse(["--games", "16", "--iterations", "4"])
+    with pytest.raises(RunIdentityError) as refused:
+        check_same_run(step_dir, meta, run_config(now), selfplay_settings(now))
+    message = str(refused.value)
+    assert f"cannot resume in {step_dir.parent}: its newest checkpoint, {step_dir}, was written by another" in message
+    assert '--model (model_name): "alphazero-tiny" in the checkpoint, "alphazero-connect4" now' in message
+    assert "--model (model.hidden): 32 in the checkpoint, 128 now" in message
+    assert "--games: 8 in the checkpoint, 16 now" in message
+    assert "give another --checkpoint-dir" in message
+
+    # Extending a run changes its learning-rate schedule (train.steps): refused unless allowed, then returned.
+    meta = stored_meta([*SMALL, "--iterations", "4"])
+    longer = [*SMALL, "--iterations", "6"]
+    with pytest.raises(RunIdentityError, match=r"--iterations x --learner-steps \(train.steps\): 12 in the checkpoint, "
+                       r"18 now(.|\n)*allow_config_change=train.steps"):  # fmt: skip
+        check_same_run(step_dir, meta, run_config(parse(longer)), selfplay_settings(parse(longer)))
+    allowed = parse([*longer, "allow_config_change=steps"])
+    assert check_same_run(step_dir, meta, run_config(allowed), selfplay_settings(allowed)) == {"train.steps": (12, 18)}
+
+    not_selfplay = {"config": meta["config"]}  # e.g. a `jaxtrain train` run's
+    with pytest.raises(RunIdentityError, match="not written by scripts/alphazero.py .*give another --checkpoint-dir"):
+        check_same_run(step_dir, not_selfplay, run_config(allowed), selfplay_settings(allowed))
+
+
 def test_value_targets_are_the_outcome_for_the_player_who_moved():
     from jaxtrain.rl.selfplay import training_rows
 
@@ -49,24 +119,113 @@ def test_value_targets_are_the_outcome_for_the_player_who_moved():
 pgx = pytest.importorskip("pgx", reason="self-play needs the rl extra: pip install -e '.[rl]'")
 
 
+def test_another_runs_checkpoints_are_refused_before_anything_compiles(tmp_path, monkeypatch):
+    from alphazero import train_alphazero
+
+    directory = tmp_path / "ckpt"
+    meta = {"step": 12, "iteration": 4, **stored_meta([*SMALL, "--iterations", "4", "--model", "alphazero-tiny"])}
+    with Checkpoints(directory, 1, async_save=False) as checkpoints:
+        checkpoints.save(12, {"params": np.zeros(3, np.float32)}, meta)
+    before = sorted(p.name for p in directory.iterdir())
+    monkeypatch.setattr("jaxtrain.training.setup.build", lambda *_, **__: pytest.fail("built the run"))
+    args = parse([*SMALL, "--iterations", "4", "--checkpoint-dir", str(directory)])
+    with pytest.raises(RunIdentityError, match='--model \\(model_name\\): "alphazero-tiny" in the checkpoint'):
+        train_alphazero(args, log=lambda *_: None)
+    assert sorted(p.name for p in directory.iterdir()) == before
+
+
+def alphazero(devices: int, *flags: str) -> dict:
+    """The report of the small run of `flags` on mesh data=`devices`."""
+    from alphazero import train_alphazero
+
+    args = parse([*SMALL, *flags, "--mesh", f"data={devices}", "--devices", str(devices)])
+    return train_alphazero(args, log=lambda *_: None)
+
+
 @pytest.mark.slow  # two compiles of the search: ~1 min
 def test_actors_and_learner_equal_on_one_and_four_devices():
     """The same self-play moves from a rollout on one device and one whose games are
     split over 4 devices; then the same learner losses on mesh data=1 and data=4 from the same buffer."""
-    from alphazero import parse, train_alphazero
-
-    small = ["--iterations", "2", "--games", "8", "--simulations", "4", "--learner-steps", "3", "--batch-size", "16"]
-    reports = {
-        devices: train_alphazero(
-            parse([*small, "--eval-games", "4", "--mesh", f"data={devices}", "--devices", str(devices)]),
-            log=lambda *_: None,
-        )  # fmt: skip
-        for devices in (1, 4)
-    }
-    one, four = reports[1], reports[4]
+    one, four = alphazero(1, "--iterations", "2"), alphazero(4, "--iterations", "2")
     assert one["positions"] == four["positions"]
     np.testing.assert_array_equal(one["first_selfplay_actions"], four["first_selfplay_actions"])
     np.testing.assert_allclose(one["losses"], four["losses"], rtol=1e-5)
+
+
+# 4 iterations saved after each (the newest 3 kept: learner steps 6, 9, 12); a buffer of 400 positions is full by the
+# third iteration's end, so a resume restores a full one.
+CHECKPOINTED = ["--iterations", "4", "--capacity", "400", "--checkpoint-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, dict]:
+    directory = tmp_path_factory.mktemp("whole") / "ckpt"
+    return directory, alphazero(4, *CHECKPOINTED, "--checkpoint-dir", str(directory))
+
+
+def replay(step_dir: Path) -> dict[str, np.ndarray]:
+    """The replay buffer checkpoint `step_dir` holds, as numpy arrays (the rest is not read)."""
+    import orbax.checkpoint as ocp
+
+    target = {"replay": ReplayBuffer((6, 7, 2), 7, capacity=400, seed=0).saved_shapes()}
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+        return checkpointer.restore(step_dir / "state", args=args)["replay"]
+
+
+@pytest.mark.slow  # five runs of the small AlphaZero, most programs from the compilation cache: ~40 s
+@pytest.mark.parametrize("devices", [4, 1])
+def test_a_resumed_run_equals_an_uninterrupted_one(uninterrupted, devices, tmp_path):
+    """The run on data=4 as if killed after its second iteration (its later checkpoints removed), resumed by the same
+    command on data=4 or data=1: its third iteration plays the uninterrupted run's games (the buffers the two save
+    after it hold the same positions), its learner takes the same losses and its network scores the same. Rerun once
+    more, it has nothing left to do and evaluates the final checkpoint alike."""
+    whole, straight = uninterrupted
+    directory = tmp_path / "ckpt"
+    shutil.copytree(whole, directory)
+    for later in ("9", "12"):
+        shutil.rmtree(directory / later)
+    resumed = alphazero(devices, *CHECKPOINTED, "--checkpoint-dir", str(directory))
+    assert resumed["resumed_from_iteration"] == 2 and len(resumed["losses"]) == 6  # this call's steps: 7-12
+    np.testing.assert_allclose(resumed["losses"], straight["losses"][6:], rtol=1e-5)
+    # The third iteration's games: the same positions and outcomes; the search's visit distributions agree to float32
+    # rounding when the device count differs (3e-6 from 4 to 1 devices), as the learner's losses do.
+    saved, reference = replay(directory / "9"), replay(whole / "9")
+    for name in ("observation", "value", "size"):
+        np.testing.assert_array_equal(saved[name], reference[name], err_msg=name)
+    np.testing.assert_allclose(saved["policy"], reference["policy"], rtol=1e-5, atol=1e-7)
+    scores = ("positions", "score_vs_random", "score_vs_step0")
+    assert {k: resumed[k] for k in scores} == {k: straight[k] for k in scores}
+    again = alphazero(devices, *CHECKPOINTED, "--checkpoint-dir", str(directory))
+    assert again["resumed_from_iteration"] == 4 and again["losses"] == [] and again["first_selfplay_actions"] is None
+    assert {k: again[k] for k in scores} == {k: straight[k] for k in scores}
+
+
+@pytest.mark.slow  # two runs of the small AlphaZero, their programs from the compilation cache
+def test_a_signal_saves_the_iteration_and_a_rerun_resumes_it(uninterrupted, tmp_path):
+    """SIGTERM (a preemption) during the first iteration of a run that would save only at its end: the iteration
+    finishes, is saved, and the run stops with `Preempted` (exit status 143 from the script); the rerun resumes
+    after it and takes the uninterrupted run's losses."""
+    from alphazero import train_alphazero
+
+    from jaxtrain.training.recovery import Preempted
+
+    _, straight = uninterrupted
+    directory = tmp_path / "ckpt"
+    flags = [*SMALL, *CHECKPOINTED, "--checkpoint-every", "4", "--checkpoint-dir", str(directory), "--mesh", "data=4"]
+
+    def preempt_during_the_first_iteration(message: str) -> None:
+        if message.startswith("iteration 1:"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Preempted) as stopped:
+        train_alphazero(parse([*flags, "--devices", "4"]), log=preempt_during_the_first_iteration)
+    assert (stopped.value.step, stopped.value.exit_status) == (3, 143)
+    assert sorted(p.name for p in directory.iterdir() if p.name.isdigit()) == ["3"]
+    resumed = train_alphazero(parse([*flags, "--devices", "4"]), log=lambda *_: None)
+    assert resumed["resumed_from_iteration"] == 1
+    np.testing.assert_allclose(resumed["losses"], straight["losses"][3:], rtol=1e-5)
 
 
 @pytest.mark.slow  # a few minutes of self-play and learning

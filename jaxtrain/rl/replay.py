@@ -1,6 +1,7 @@
 """A replay buffer of self-play positions, read by jaxtrain's train step as a `Dataset` (task `selfplay`): batch
 `step` is drawn from the positions held when it is read, by a generator seeded with (seed, step, row), so on any
-mesh or process count the same step draws the same rows from the same buffer."""
+mesh or process count the same step draws the same rows from the same buffer. A checkpoint therefore holds the
+positions themselves (`saved`, `restore`), oldest first, as the draws index them."""
 
 from __future__ import annotations
 
@@ -32,6 +33,24 @@ class ReplayBuffer:
     def add(self, rows: dict[str, np.ndarray]) -> None:
         """Append positions (as `selfplay.training_rows` gives them), dropping the oldest beyond `capacity`."""
         self.data = {k: np.concatenate([v, rows[k]])[-self.capacity :] for k, v in self.data.items()}
+
+    def saved(self) -> dict[str, np.ndarray]:
+        """The positions, zero-padded to `capacity` rows, and `size`, how many are real: what a checkpoint holds. The
+        shapes to restore into must be known before a checkpoint is read, so they cannot depend on how full the buffer
+        is (the padding's zeros cost little on disk: Orbax compresses)."""
+        padded = {k: np.zeros((self.capacity, *v.shape[1:]), v.dtype) for k, v in self.data.items()}
+        for k, v in self.data.items():
+            padded[k][: len(v)] = v
+        return {**padded, "size": np.asarray(len(self), np.int32)}
+
+    def saved_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The shapes and dtypes of `saved()`; without a sharding, so a checkpoint reads them back as numpy arrays."""
+        return {**self.shapes(self.capacity), "size": jax.ShapeDtypeStruct((), np.int32)}
+
+    def restore(self, saved: dict[str, np.ndarray]) -> None:
+        """Replace the positions with those of `saved` (from `saved()` of a buffer of the same capacity)."""
+        size = int(saved["size"])
+        self.data = {k: np.asarray(saved[k][:size]) for k in self.data}
 
     def shapes(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         return {

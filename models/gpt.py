@@ -40,6 +40,7 @@ from flax import nnx
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.ops.attention import CONTEXT_PARALLEL, IMPLEMENTATIONS, attention, masked_attention
+from jaxtrain.ops.cotangent import unfused_cotangent
 from jaxtrain.ops.cross_entropy import output_cross_entropy
 from jaxtrain.ops.sequence import next_tokens, segment_positions
 from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
@@ -307,9 +308,11 @@ class Block(nnx.Module):
         return jnp.einsum("bthk,hkd->btd", mixed, self.w_out[...].astype(mixed.dtype))
 
     def mlp(self, x: jax.Array) -> jax.Array:
-        hidden = jnp.einsum("btd,df->btf", x, self.w_in[...].astype(x.dtype))  # (B, T, F)
+        # The activations' inputs are kept out of XLA:CPU's transposing fusions (`jaxtrain.ops.cotangent`).
+        hidden = unfused_cotangent(jnp.einsum("btd,df->btf", x, self.w_in[...].astype(x.dtype)))  # (B, T, F)
         if self.cfg.mlp == "swiglu":
-            hidden = jax.nn.silu(jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(x.dtype))) * hidden
+            gate = unfused_cotangent(jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(x.dtype)))
+            hidden = jax.nn.silu(gate) * hidden
         else:
             hidden = jax.nn.gelu(hidden)
         hidden = constrain(hidden, ("batch", "seq", "mlp"))

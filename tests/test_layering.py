@@ -44,6 +44,7 @@ MODEL_IMPORTS = {
     "jaxtrain.settings",
     "jaxtrain.errors",
     "jaxtrain.ops.attention",
+    "jaxtrain.ops.cotangent",
     "jaxtrain.ops.cross_entropy",
     "jaxtrain.ops.sequence",
 }

@@ -22,6 +22,8 @@ Sections:
              shards vs synthetic tokens (target: within 3%, the loader never the bottleneck)
   hf         Hugging Face import and export of a >= 1 GB Llama built here: MB/s and each process's peak RSS against
              model bytes / processes + the largest tensor + 1 GiB
+  small      small GPTs (d_model 128 and 256) on one device, float32 and bfloat16: step time and model FLOP/s
+             against a plain jitted matmul's rate in the same dtype, alternated
   async      the Ray engine, 4 workers with one slowed 3x by waiting: samples/s of async vs sync updates (target >= 1.5)
              and validation loss vs wall time of both, on tinyshakespeare (else the built-in text); --async-plot PNG
 """
@@ -191,6 +193,53 @@ def bench_compile(args, peak) -> dict:
         "ratio": round(seconds[32] / seconds[4], 3),
         "target": "<= 1.5",
     }
+
+
+# small: GPTs on one CPU device, their model FLOP/s against a plain jitted matmul's rate in the same dtype.
+SMALL_SHAPES = {
+    "d128": ["n_layers=4", "d_model=128", "n_heads=4", "d_ff=512", "seq_len=64", "batch_size=12"],
+    "d256": ["n_layers=4", "d_model=256", "n_heads=4", "d_ff=1024", "seq_len=256", "batch_size=8"],
+}
+MATMUL_SIZE = 2048
+
+
+def matmul_timer(dtype: str) -> Callable[[int], float]:
+    """Seconds per plain jitted MATMUL_SIZE² matmul in `dtype` (the rate a model's dots could reach)."""
+    import jax.numpy as jnp
+
+    a = jnp.ones((MATMUL_SIZE, MATMUL_SIZE), dtype)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(a).block_until_ready()
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            out = matmul(a)
+        out.block_until_ready()
+        return (time.perf_counter() - start) / n
+
+    return timed
+
+
+def bench_small(args, peak) -> dict:
+    """Step time and model FLOP/s of small GPTs on one device, float32 and bfloat16, alternated with a plain matmul
+    of each dtype: `of_matmul` is the model's FLOP/s over the matmul's (issue 21's target: >= 0.5 from d_model 256)."""
+    cases = {f"{name},{dtype}": [*shape, f"dtype={dtype}"] for name, shape in SMALL_SHAPES.items()
+             for dtype in ("float32", "bfloat16")}  # fmt: skip
+    runs = {name: make("data=1", extra, devices=jax.devices()[:1]) for name, extra in cases.items()}
+    timers = {name: stepper(run) for name, run in runs.items()}
+    timers |= {f"matmul,{dtype}": matmul_timer(dtype) for dtype in ("float32", "bfloat16")}
+    times = interleaved(timers, args.rounds, args.steps)
+    rates = {dtype: 2 * MATMUL_SIZE**3 / times[f"matmul,{dtype}"] for dtype in ("float32", "bfloat16")}
+    out = {f"matmul_gflops,{dtype}": round(rate / 1e9, 1) for dtype, rate in rates.items()}
+    for name, run in runs.items():
+        flops = run.flops_per_step / times[name]
+        out[name] = {
+            "step_ms": round(times[name] * 1e3, 2),
+            "model_gflops": round(flops / 1e9, 1),
+            "of_matmul": round(flops / rates[name.split(",")[1]], 3),
+        }
+    return out
 
 
 # float32: XLA:CPU runs the bfloat16 backward inside the pipeline loop ~4x slower than outside it (an XLA:CPU
@@ -932,6 +981,7 @@ SECTIONS = {
     "data": bench_data,
     "hf": bench_hf,
     "async": bench_async,
+    "small": bench_small,
 }
 
 

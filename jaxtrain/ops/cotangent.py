@@ -4,10 +4,12 @@ XLA:CPU fuses an activation's backward (GELU's, SiLU's) with the transpose that 
 result, into one loop fusion that writes a (d_ff, B*T) array transposed while it computes: several times slower than
 the same math followed by a plain transpose (`scripts/xla_cpu_transposed_fusion.py` reproduces it). An optimization
 barrier on the cotangent of the activation's input keeps the two apart. Measured by alternating both programs in one
-process (a 4-layer GPT, one CPU device unless named): float32 steps 1.31x faster at d_model 128 (GELU), 1.21x
+process (a 4-layer GPT, one CPU device unless named; the other program with `models.gpt.unfused_cotangent` patched
+to the identity, 2026-12-03): float32 steps 1.31x faster at d_model 128 (GELU), 1.21x
 (SwiGLU), 1.05x at d_model 256 on `fsdp=8`; bfloat16 0.97x at d_model 128 and 0.94x for SwiGLU at d_model 256 on
-`fsdp=8`. So the barrier is for float32 cotangents on CPU only; other backends fuse this well, and there the function
-is the plain identity (`lax.platform_dependent`: the branch is chosen when the program is lowered).
+`fsdp=8`. So the barrier is for float32 cotangents on CPU only. On GPU and TPU (not measured: none here) the function is
+the plain identity, their fusions untouched (`lax.platform_dependent`: the branch is chosen when the program is
+lowered).
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxtrain.ops.cotangent import unfused_cotangent

@@ -985,6 +985,45 @@ SECTIONS = {
 }
 
 
+def markdown(report: dict) -> str:
+    """The report's throughput sections as Markdown tables, headed by the machine's peak and where it came from:
+    `meshes` (tokens/s and MFU per mesh), `small` (model FLOP/s against a plain matmul), `maxtext` (ratios)."""
+    lines = [
+        f"jax {report['jax']}, {report['devices']} simulated CPU devices; MFU against a peak of "
+        f"{report['peak_flops'] / 1e9:,.0f} GFLOP/s ({report['peak_source']}).",
+        "",
+    ]
+    if "meshes" in report:
+        lines += [f"The benchmark GPT ({', '.join(SHAPE)}), medians of alternated rounds:", ""]
+        lines += ["| mesh | step s | tokens/s | MFU |", "| --- | --- | --- | --- |"]
+        lines += [
+            f"| `{mesh}` | {r['step_time_s']:.4f} | {r['tokens_per_sec']:,.0f} | {r['mfu']:.1%} |"
+            for mesh, r in report["meshes"].items()
+        ]
+        lines.append("")
+    if "small" in report:
+        small = report["small"]
+        rates = ", ".join(f"{k.split(',')[1]} {v:,.0f}" for k, v in small.items() if k.startswith("matmul"))
+        lines += [f"Small GPTs (4 layers) on one device against a plain 2048² matmul (GFLOP/s: {rates}):", ""]
+        lines += ["| model, dtype | step ms | model GFLOP/s | of the matmul rate |", "| --- | --- | --- | --- |"]
+        lines += [
+            f"| {name} | {r['step_ms']} | {r['model_gflops']} | {r['of_matmul']:.2f} |"
+            for name, r in small.items()
+            if not name.startswith("matmul")
+        ]
+        lines.append("")
+    if "maxtext" in report:
+        lines += ["Against MaxText 0.2.5, tokens/s per round:", ""]
+        lines += ["| model | jaxtrain | MaxText | ratio of medians |", "| --- | --- | --- | --- |"]
+        lines += [
+            f"| {r['jaxtrain_model']} | {', '.join(f'{t:,.0f}' for t in r['jaxtrain_tokens_per_sec'])} | "
+            f"{', '.join(f'{t:,.0f}' for t in r['maxtext_tokens_per_sec'])} | {r['ratio_of_medians']} |"
+            for r in report["maxtext"].values()
+        ]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="meshes,variants,overhead,compile", help="comma-separated sections")
@@ -1011,6 +1050,7 @@ def main() -> None:
     parser.add_argument("--async-samples", type=int, default=1536, help="async section: samples trained per run")
     parser.add_argument("--async-rounds", type=int, default=2, help="async section: runs of each mode, alternated")
     parser.add_argument("--async-plot", default=None, help="async section: draw val loss vs wall time in this PNG")
+    parser.add_argument("--markdown", default=None, help="also write the meshes, small and maxtext tables to this file")
     args = parser.parse_args()
 
     jax.config.update("jax_platforms", "cpu")
@@ -1030,6 +1070,8 @@ def main() -> None:
         report[name] = SECTIONS[name](args, peak)
         log(json.dumps(report[name]))
     print(json.dumps(report, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(report))
 
 
 if __name__ == "__main__":

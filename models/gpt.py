@@ -42,6 +42,8 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.ops.attention import CONTEXT_PARALLEL, IMPLEMENTATIONS, attention, masked_attention
 from jaxtrain.ops.cotangent import unfused_cotangent
 from jaxtrain.ops.cross_entropy import output_cross_entropy
+from jaxtrain.ops.projection import SAVEABLE as PROJECTION
+from jaxtrain.ops.projection import project
 from jaxtrain.ops.sequence import next_tokens, segment_positions
 from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
 from jaxtrain.sharding.constraints import constrain, scan_layers
@@ -49,7 +51,10 @@ from jaxtrain.sharding.constraints import constrain, scan_layers
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(PROJECTION),
+    ),
 }
 MLPS = ("gelu", "swiglu")
 ROPE_SCALINGS = ("none", "llama3")
@@ -292,12 +297,11 @@ class Block(nnx.Module):
 
     def project_qkv(self, x: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries (B, T, H, K) and keys, values (B, T, G, K) of x (B, T, D): biased, normed, rotated as set."""
-        dtype = x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.w_q[...].astype(dtype))
-        k = jnp.einsum("btd,dgk->btgk", x, self.w_k[...].astype(dtype))
-        v = jnp.einsum("btd,dgk->btgk", x, self.w_v[...].astype(dtype))
+        q = project("btd,dhk->bthk", x, self.w_q[...])
+        k = project("btd,dgk->btgk", x, self.w_k[...])
+        v = project("btd,dgk->btgk", x, self.w_v[...])
         if self.cfg.qkv_bias:
-            q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.b_q), (k, self.b_k), (v, self.b_v)))
+            q, k, v = (y + b[...].astype(x.dtype) for y, b in ((q, self.b_q), (k, self.b_k), (v, self.b_v)))
         if self.cfg.qk_norm:
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         q = constrain(rope.rotate(q), ("batch", "seq", "heads", "kv"))
@@ -305,18 +309,18 @@ class Block(nnx.Module):
         return q, k, constrain(v, ("batch", "seq", "kv_heads", "kv"))
 
     def project_out(self, mixed: jax.Array) -> jax.Array:  # (B, T, H, K) -> (B, T, D)
-        return jnp.einsum("bthk,hkd->btd", mixed, self.w_out[...].astype(mixed.dtype))
+        return project("bthk,hkd->btd", mixed, self.w_out[...])
 
     def mlp(self, x: jax.Array) -> jax.Array:
         # The activations' inputs are kept out of XLA:CPU's transposing fusions (`jaxtrain.ops.cotangent`).
-        hidden = unfused_cotangent(jnp.einsum("btd,df->btf", x, self.w_in[...].astype(x.dtype)))  # (B, T, F)
+        hidden = unfused_cotangent(project("btd,df->btf", x, self.w_in[...]))  # (B, T, F)
         if self.cfg.mlp == "swiglu":
-            gate = unfused_cotangent(jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(x.dtype)))
+            gate = unfused_cotangent(project("btd,df->btf", x, self.w_gate[...]))
             hidden = jax.nn.silu(gate) * hidden
         else:
             hidden = jax.nn.gelu(hidden)
         hidden = constrain(hidden, ("batch", "seq", "mlp"))
-        return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(x.dtype))
+        return project("btf,fd->btd", hidden, self.w_down[...])
 
 
 class GPT(nnx.Module):

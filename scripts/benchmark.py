@@ -31,6 +31,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -400,14 +401,60 @@ def bench_checkpoint(args, peak) -> dict:
     }
 
 
-# The same decoder in both frameworks: (our model, MaxText's overrides of its default decoder, which is Llama 2's).
-MAXTEXT_MODELS = {
-    "gpt": ("gpt-cpu", ["base_num_kv_heads=4", "mlp_activations=[gelu]"]),  # GELU MLP, one kv head per query head
-    "llama": ("llama-cpu", ["base_num_kv_heads=2", "mlp_activations=[silu,linear]"]),  # SwiGLU, 2 kv heads of 4
+# MaxText's decoder (Llama 2's) made GPT's: a GELU MLP and one key/value head per query head.
+MAXTEXT_GPT = ["base_num_kv_heads=4", "mlp_activations=[gelu]"]
+MAXTEXT_WIDE = ["base_num_decoder_layers=8", "base_emb_dim=512", "base_num_query_heads=8", "base_mlp_dim=2048"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextCase:
+    """One shape on one mesh in both frameworks: our model and its overrides of SHAPE, MaxText's overrides of
+    scripts/maxtext_baseline.sh's defaults (the same shape on fsdp=8)."""
+
+    model: str
+    mesh: str
+    ours: tuple[str, ...] = ()
+    theirs: tuple[str, ...] = ()
+
+
+MAXTEXT_CASES = {
+    "gpt": MaxTextCase("gpt-cpu", "fsdp=8", theirs=(*MAXTEXT_GPT,)),
+    "llama": MaxTextCase("llama-cpu", "fsdp=8", theirs=("base_num_kv_heads=2", "mlp_activations=[silu,linear]")),
+    "gpt-data": MaxTextCase(
+        "gpt-cpu", "data=8", theirs=(*MAXTEXT_GPT, "ici_fsdp_parallelism=1", "ici_data_parallelism=8")
+    ),
+    "gpt-3d": MaxTextCase(
+        "gpt-cpu",
+        "data=2,fsdp=2,tensor=2",
+        theirs=(*MAXTEXT_GPT, "ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
+    ),
+    # 8 layers of d_model 512 (8 heads of 64, MLP 2048) at seq 128: the issue's larger shapes, at a size whose
+    # 20 steps take minutes, not tens of minutes, here.
+    "gpt-wide": MaxTextCase(
+        "gpt-cpu",
+        "fsdp=8",
+        ours=("n_layers=8", "d_model=512", "n_heads=8", "d_ff=2048", "seq_len=128"),
+        theirs=(*MAXTEXT_GPT, *MAXTEXT_WIDE, "base_num_kv_heads=8", "max_target_length=128"),
+    ),
+    # Two stages of two layers, 4 microbatches of 2 sequences: GPipe's order in both (MaxText's pipeline is GPipe
+    # with circular repeats; one repeat here).
+    "gpt-pipeline": MaxTextCase(
+        "gpt-cpu",
+        "pipeline=2,fsdp=4",
+        ours=("train.schedule=gpipe", "train.microbatches=4"),
+        theirs=(
+            *MAXTEXT_GPT,
+            "ici_pipeline_parallelism=2",
+            "ici_fsdp_parallelism=4",
+            "num_pipeline_microbatches=4",
+            "num_layers_per_pipeline_stage=2",
+            "scan_layers=False",
+        ),
+    ),
 }
 
 
-def run_maxtext(steps: int, overrides: list[str]) -> dict:
+def run_maxtext(steps: int, overrides: Sequence[str]) -> dict:
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "maxtext_baseline.sh"), str(steps), *overrides],
         capture_output=True,
@@ -418,20 +465,22 @@ def run_maxtext(steps: int, overrides: list[str]) -> dict:
 
 
 def bench_maxtext(args, peak) -> dict:
-    """Alternate ours and MaxText as separate processes, like a user would run them, for each decoder of
+    """Alternate ours and MaxText as separate processes, like a user would run them, for each case of
     `--maxtext-models`. Both figures are the median per-step throughput from step 10 on (MaxText's log and our
     --log-every 1 metrics file), so that compilation and warm-up count for neither."""
     results = {}
     for name in args.maxtext_models.split(","):
-        model, overrides = MAXTEXT_MODELS[name]
+        case = MAXTEXT_CASES[name]
         ours, theirs = [], []
         for round_index in range(args.maxtext_rounds):
             log(f"maxtext {name} round {round_index + 1}/{args.maxtext_rounds}")
-            ours.append(run_ours(args.maxtext_steps, model))
-            theirs.append(run_maxtext(args.maxtext_steps, overrides)["tokens_per_sec"])
+            ours.append(run_ours(args.maxtext_steps, case))
+            theirs.append(run_maxtext(args.maxtext_steps, case.theirs)["tokens_per_sec"])
         results[name] = {
-            "jaxtrain_model": model,
-            "maxtext_overrides": overrides,
+            "jaxtrain_model": case.model,
+            "mesh": case.mesh,
+            "jaxtrain_overrides": list(case.ours),
+            "maxtext_overrides": list(case.theirs),
             "jaxtrain_tokens_per_sec": ours,
             "maxtext_tokens_per_sec": theirs,
             "ratio_of_medians": round(statistics.median(ours) / statistics.median(theirs), 3),
@@ -440,7 +489,7 @@ def bench_maxtext(args, peak) -> dict:
     return results
 
 
-def run_ours(steps: int, model: str) -> float:
+def run_ours(steps: int, case: MaxTextCase) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         subprocess.run(
@@ -450,7 +499,7 @@ def run_ours(steps: int, model: str) -> float:
                 "--simulated-devices",
                 "8",
                 "--mesh",
-                "fsdp=8",
+                case.mesh,
                 "--steps",
                 str(steps),
                 "--log-every",
@@ -461,8 +510,9 @@ def run_ours(steps: int, model: str) -> float:
                 "--metrics-file",
                 str(metrics),
                 "--model",
-                model,
+                case.model,
                 *SHAPE,
+                *case.ours,
             ],
             capture_output=True,
             text=True,
@@ -1014,11 +1064,12 @@ def markdown(report: dict) -> str:
         lines.append("")
     if "maxtext" in report:
         lines += ["Against MaxText 0.2.5, tokens/s per round:", ""]
-        lines += ["| model | jaxtrain | MaxText | ratio of medians |", "| --- | --- | --- | --- |"]
+        lines += ["| case | model, mesh | jaxtrain | MaxText | ratio of medians |", "| --- | --- | --- | --- | --- |"]
         lines += [
-            f"| {r['jaxtrain_model']} | {', '.join(f'{t:,.0f}' for t in r['jaxtrain_tokens_per_sec'])} | "
+            f"| {name} | {r['jaxtrain_model']} {' '.join(r['jaxtrain_overrides'])}, {r['mesh']} | "
+            f"{', '.join(f'{t:,.0f}' for t in r['jaxtrain_tokens_per_sec'])} | "
             f"{', '.join(f'{t:,.0f}' for t in r['maxtext_tokens_per_sec'])} | {r['ratio_of_medians']} |"
-            for r in report["maxtext"].values()
+            for name, r in report["maxtext"].items()
         ]
         lines.append("")
     return "\n".join(lines)
@@ -1044,7 +1095,7 @@ def main() -> None:
     parser.add_argument("--data-mb", type=float, default=8, help="data section: MB of text to tokenize")
     parser.add_argument("--maxtext-rounds", type=int, default=3)
     parser.add_argument("--maxtext-steps", type=int, default=40)
-    parser.add_argument("--maxtext-models", default="gpt,llama", help=f"of {', '.join(MAXTEXT_MODELS)}")
+    parser.add_argument("--maxtext-models", default=",".join(MAXTEXT_CASES), help=f"of {', '.join(MAXTEXT_CASES)}")
     parser.add_argument("--async-workers", type=int, default=4, help="async section: Ray workers (the last slowed 3x)")
     parser.add_argument("--async-batch", type=int, default=8, help="async section: rows per worker gradient")
     parser.add_argument("--async-samples", type=int, default=1536, help="async section: samples trained per run")

@@ -46,6 +46,7 @@ MODEL_IMPORTS = {
     "jaxtrain.ops.attention",
     "jaxtrain.ops.cotangent",
     "jaxtrain.ops.cross_entropy",
+    "jaxtrain.ops.projection",
     "jaxtrain.ops.sequence",
 }
 LOOP_ONLY = {  # what the planner must not reach: the loop and the runtime around it

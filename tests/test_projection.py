@@ -1,0 +1,125 @@
+"""`jaxtrain.ops.projection.project`: autodiff's gradients (float32), weight gradients accumulated in float32
+(bfloat16), no dot left in XLA:CPU's slow transposed-left form, the `save_dots` policy keeping its outputs, and
+the plain einsum under the planner's plain math."""
+
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain.ops.plain import plain_math
+from jaxtrain.ops.projection import project
+from jaxtrain.run_config import apply_overrides, default_config
+from jaxtrain.training.setup import setup
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from xla_cpu_weight_gradient import major_contracting_dots  # noqa: E402
+
+# The model's projections: queries, output, MLP in and out.
+SPECS = {
+    "btd,dhk->bthk": ((2, 16, 32), (32, 4, 8)),
+    "bthk,hkd->btd": ((2, 16, 4, 8), (4, 8, 32)),
+    "btd,df->btf": ((2, 16, 32), (32, 64)),
+    "btf,fd->btd": ((2, 16, 64), (64, 32)),
+}
+
+
+def operands(spec, dtype=jnp.float32):
+    x_shape, w_shape = SPECS[spec]
+    rng = np.random.default_rng(0)
+    return jnp.asarray(rng.standard_normal(x_shape), dtype), jnp.asarray(
+        rng.standard_normal(w_shape) * 0.1, jnp.float32
+    )
+
+
+def loss(product, spec):
+    return lambda x, w: jnp.sum(jnp.sin(product(spec, x, w).astype(jnp.float32)))
+
+
+def einsum(spec, x, w):
+    return jnp.einsum(spec, x, w.astype(x.dtype))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_gradients_equal_autodiffs_in_float32(spec):
+    x, w = operands(spec)
+    ours = jax.grad(loss(project, spec), argnums=(0, 1))(x, w)
+    theirs = jax.grad(loss(einsum, spec), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(project(spec, x, w), einsum(spec, x, w), rtol=1e-6)
+    for a, b in zip(ours, theirs):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_weight_gradient_accumulates_in_float32():
+    spec = "btd,df->btf"
+    x, w = operands(spec, jnp.bfloat16)
+    exact = jax.grad(loss(einsum, spec), argnums=1)(x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32))
+    ours = jax.grad(loss(project, spec), argnums=1)(x, w)
+    theirs = jax.grad(loss(einsum, spec), argnums=1)(x, w)
+    assert ours.dtype == jnp.float32
+    error = {
+        name: float(jnp.max(jnp.abs(g - exact)) / jnp.max(jnp.abs(exact)))
+        for name, g in (("ours", ours), ("theirs", theirs))
+    }
+    # Autodiff's weight gradient is a bfloat16 dot (8 bits of mantissa); ours rounds only its inputs.
+    assert error["ours"] < error["theirs"] / 2, error
+
+
+def mlp_gradient(product):
+    def mlp_loss(weights, x):
+        hidden = jax.nn.gelu(product("btd,df->btf", x, weights[0]))
+        return jnp.sum(product("btf,fd->btd", hidden, weights[1]).astype(jnp.float32) ** 2)
+
+    return jax.jit(jax.grad(mlp_loss))
+
+
+def test_cpu_runs_no_weight_gradient_dot_in_the_slow_form():
+    rng = np.random.default_rng(0)
+    weights = tuple(jnp.asarray(rng.standard_normal(s) * 0.05, jnp.float32) for s in ((64, 256), (256, 64)))
+    x = jnp.asarray(rng.standard_normal((4, 64, 64)), jnp.bfloat16)
+    counts = {
+        name: major_contracting_dots(mlp_gradient(product).lower(weights, x).compile().as_text())
+        for name, product in (("einsum", einsum), ("project", project))
+    }
+    # Autodiff's two weight gradients are transposed-left dots; ours none. If XLA:CPU stops making the first,
+    # `project`'s custom gradient may no longer be worth its code: measure with scripts/xla_cpu_weight_gradient.py.
+    assert counts == {"einsum": 2, "project": 0}, counts
+
+
+def test_plain_math_is_the_plain_einsum():
+    spec = "btd,df->btf"
+    x, w = operands(spec)
+    with plain_math():
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss(project, spec), argnums=1))(x, w))
+    assert "custom_vjp" not in jaxpr and "dot_general" in jaxpr
+    assert "custom_vjp" in str(jax.make_jaxpr(lambda x, w: project(spec, x, w))(x, w))
+
+
+def recomputed_dots(remat: str) -> list[str]:
+    """The einsums of the dots that gpt-tiny's compiled backward computes again, from their metadata."""
+    cfg = apply_overrides(
+        default_config("gpt-tiny"),
+        [f"remat={remat}", "mesh=data=1", "batch_size=2", "seq_len=16", "data.source=synthetic"],
+    )
+    run = setup(cfg, log=lambda *_: None, devices=jax.devices()[:1])
+    lines = run.train_step.as_text().splitlines()
+    return sorted(
+        re.search(r'/([a-z,]+->[a-z]+)/dot_general"', line).group(1)
+        for line in lines
+        if " dot(" in line and "rematted_computation" in line
+    )
+
+
+def test_save_dots_keeps_the_projections():
+    # save_dots computes attention's two batched dots again (scores and their mix), as its policy says, and no
+    # projection: a dots policy alone would see `project`'s custom VJP, not its dot, and recompute the five
+    # projections whose outputs the backward uses, as full does.
+    assert recomputed_dots("none") == []
+    assert recomputed_dots("save_dots") == ["bgrs,bsgk->brgk", "brgk,bsgk->bgrs"]
+    projections = ["btd,df->btf", "btd,dgk->btgk", "btd,dgk->btgk", "btd,dhk->bthk", "bthk,hkd->btd"]
+    assert recomputed_dots("full") == sorted(["bgrs,bsgk->brgk", "brgk,bsgk->bgrs", *projections])

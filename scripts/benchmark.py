@@ -13,8 +13,8 @@ Sections:
   checkpoint how long an async vs a sync save holds up the training loop; save/restore MB/s vs the disk's own speed
   gradsync   seconds per gradient sync (xla, ring, hierarchical, parameter server, bf16 ring) for 1-64 MB, and bytes
              each device sends (from the HLO) vs the algorithm's analytic model (target: within 5%)
-  maxtext    our GPT and Llama paths vs MaxText 0.2.5's decoder on the same shape and mesh, alternated
-             (scripts/maxtext_baseline.sh)
+  maxtext    our GPT and Llama paths vs MaxText 0.2.5's decoder on the same shape and mesh, alternated, for each
+             case of MAXTEXT_CASES (--maxtext-models; scripts/maxtext_baseline.sh)
   attention  each attention implementation's forward + backward time per sequence length, and what `auto` picks
   context    step time per sequence length (1k-8k; 16k by --context-seqs) on context 1, 2, 4, 8 with ring and
              allgather attention; temporary bytes per device; bytes over `context`, compiled vs the planner's
@@ -434,14 +434,14 @@ MAXTEXT_CASES = {
         "gpt-cpu",
         "fsdp=8",
         ours=("n_layers=8", "d_model=512", "n_heads=8", "d_ff=2048", "seq_len=128"),
-        theirs=(*MAXTEXT_GPT, *MAXTEXT_WIDE, "base_num_kv_heads=8", "max_target_length=128"),
+        theirs=("base_num_kv_heads=8", "mlp_activations=[gelu]", *MAXTEXT_WIDE, "max_target_length=128"),
     ),
-    # Two stages of two layers, 4 microbatches of 2 sequences: GPipe's order in both (MaxText's pipeline is GPipe
-    # with circular repeats; one repeat here).
+    # Two stages of two layers, 4 microbatches of 4 sequences: GPipe's order in both (MaxText's pipeline is GPipe
+    # with circular repeats; one repeat here). MaxText needs each microbatch divisible by fsdp: a global batch of 16.
     "gpt-pipeline": MaxTextCase(
         "gpt-cpu",
         "pipeline=2,fsdp=4",
-        ours=("train.schedule=gpipe", "train.microbatches=4"),
+        ours=("batch_size=16", "train.schedule=gpipe", "train.microbatches=4"),
         theirs=(
             *MAXTEXT_GPT,
             "ici_pipeline_parallelism=2",
@@ -449,6 +449,7 @@ MAXTEXT_CASES = {
             "num_pipeline_microbatches=4",
             "num_layers_per_pipeline_stage=2",
             "scan_layers=False",
+            "per_device_batch_size=2",
         ),
     ),
 }
@@ -1066,7 +1067,7 @@ def markdown(report: dict) -> str:
         lines += ["Against MaxText 0.2.5, tokens/s per round:", ""]
         lines += ["| case | model, mesh | jaxtrain | MaxText | ratio of medians |", "| --- | --- | --- | --- | --- |"]
         lines += [
-            f"| {name} | {r['jaxtrain_model']} {' '.join(r['jaxtrain_overrides'])}, {r['mesh']} | "
+            f"| {name} | {' '.join([r['jaxtrain_model'], *r['jaxtrain_overrides']])}, {r['mesh']} | "
             f"{', '.join(f'{t:,.0f}' for t in r['jaxtrain_tokens_per_sec'])} | "
             f"{', '.join(f'{t:,.0f}' for t in r['maxtext_tokens_per_sec'])} | {r['ratio_of_medians']} |"
             for name, r in report["maxtext"].items()

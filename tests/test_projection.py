@@ -1,6 +1,6 @@
-"""`jaxtrain.ops.projection.project`: autodiff's gradients (float32), weight gradients accumulated in float32
-(bfloat16), no dot left in XLA:CPU's slow transposed-left form, the `save_dots` policy keeping its outputs, and
-the plain einsum under the planner's plain math."""
+"""`jaxtrain.ops.projection.project`: autodiff's gradients (float32; bfloat16 as close to exact as autodiff's), no
+dot left in XLA:CPU's slow transposed-left form, the `save_dots` policy keeping its outputs, and the plain einsum
+under the planner's plain math."""
 
 import re
 import sys
@@ -55,19 +55,20 @@ def test_gradients_equal_autodiffs_in_float32(spec):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_bfloat16_weight_gradient_accumulates_in_float32():
+def test_bfloat16_gradients_are_as_close_to_exact_as_autodiffs():
     spec = "btd,df->btf"
     x, w = operands(spec, jnp.bfloat16)
-    exact = jax.grad(loss(einsum, spec), argnums=1)(x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32))
-    ours = jax.grad(loss(project, spec), argnums=1)(x, w)
-    theirs = jax.grad(loss(einsum, spec), argnums=1)(x, w)
-    assert ours.dtype == jnp.float32
-    error = {
-        name: float(jnp.max(jnp.abs(g - exact)) / jnp.max(jnp.abs(exact)))
-        for name, g in (("ours", ours), ("theirs", theirs))
-    }
-    # Autodiff's weight gradient is a bfloat16 dot (8 bits of mantissa); ours rounds only its inputs.
-    assert error["ours"] < error["theirs"] / 2, error
+    exact = jax.grad(loss(einsum, spec), argnums=(0, 1))(
+        x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32)
+    )
+    ours = jax.grad(loss(project, spec), argnums=(0, 1))(x, w)
+    theirs = jax.grad(loss(einsum, spec), argnums=(0, 1))(x, w)
+    for a, b, e in zip(ours, theirs, exact):
+        # The weight gradient keeps the compute dtype until its cast to the parameter's, as autodiff's does: a
+        # float32 one made the TPU compiler reduce FSDP gradients in float32 (tests/test_hlo_tpu.py).
+        assert a.dtype == b.dtype
+        error = {name: float(jnp.max(jnp.abs(g - e)) / jnp.max(jnp.abs(e))) for name, g in (("ours", a), ("theirs", b))}
+        assert error["ours"] < max(2 * error["theirs"], 1e-2), error
 
 
 def mlp_gradient(product):

@@ -4,18 +4,19 @@ Autodiff's transpose of `einsum(x, w)` computes the weight gradient as `dot_gene
 and sequence dims, which are the major dims of both. XLA:CPU copies `x` into a transposed layout and leaves `dy`
 contracted along its major dim: a dot its YNNPACK kernels do not take, which falls back to a loop several times
 slower (`scripts/xla_cpu_weight_gradient.py` reproduces it). Written as `dot_general(x, dy)`, the same contraction
-gets `x` transposed into the left operand's canonical layout and runs in YNNPACK. The gradient also accumulates in
-float32 (`preferred_element_type`), as the float32 parameter it updates is kept, rather than rounding each
-layer's weight gradient to bfloat16 first: more accurate, and the same bytes for the float32 reduction after.
+gets `x` transposed into the left operand's canonical layout and runs in YNNPACK. The gradient keeps autodiff's
+dtype (the compute dtype): accumulated in float32 it was more accurate in bfloat16, but the TPU compiler then
+all-reduced FSDP's gradients in float32, 1.7x the bytes of gpt-small's bfloat16 ones (tests/test_hlo_tpu.py).
 
 Measured on the 2-core CPU machine, alternated in one process, 2026-12-03:
 - `python scripts/xla_cpu_weight_gradient.py` (a 4-layer GELU MLP, d_model 256 x 1024, 8 x 256 tokens, one device):
   the gradient 0.583 s as autodiff writes it, 0.164 s activations first (3.5x) in bfloat16; 0.393 s and 0.293 s
   (1.34x) in float32.
 - A 4-layer GPT's training step on one device, autodiff's einsum against `project` (`models.gpt.project` patched):
-  d_model 256 at 8 x 256 tokens 1.96x faster in bfloat16, 1.16x in float32; d_model 128 at 12 x 64 1.93x in
-  bfloat16, 0.91x in float32. On 8 devices (`fsdp=8`, `data=8`, `data=2,fsdp=2,tensor=2`) 0.97-1.07x: the SPMD
-  partitioner's per-device program already leaves autodiff's dot in a form YNNPACK takes.
+  1.90x (d_model 128, 12 x 64 tokens) and 2.07x (d_model 256, 8 x 256) faster in bfloat16; in float32 0.97-0.98x
+  (0.91-1.16x in earlier runs: no clear effect). On 8 devices (`fsdp=8`, `data=8`, `data=2,fsdp=2,tensor=2`)
+  0.94-1.07x (with a float32-accumulating first version): the SPMD partitioner's per-device program already leaves
+  autodiff's dot in a form YNNPACK takes.
 On GPU and TPU the dot is the same contraction with its operands in the other order (not measured: none here).
 
 >>> import jax, jax.numpy as jnp
@@ -43,7 +44,7 @@ SAVEABLE = "projection"  # the name `project` gives its output, for `jax.checkpo
 def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """`jnp.einsum(spec, x, w.astype(x.dtype))`: `x` activations (batch dims first), `w` a float32 parameter.
 
-    The gradient is autodiff's (within float32 rounding: it accumulates in float32); under the planner's plain math
+    The gradient is autodiff's, up to summation order; under the planner's plain math
     (`jaxtrain.ops.plain`) this is the plain einsum, whose matmuls the planner reads.
     """
     if is_plain():
@@ -75,7 +76,7 @@ def _backward(
     x_dims, w_dims = inputs.split(",")
     dx = jnp.einsum(f"{out},{w_dims}->{x_dims}", dy, cast.astype(dy.dtype))
     # The activations are the dot's left operand: see the module's docstring.
-    dw = jnp.einsum(f"{x_dims},{out}->{w_dims}", x, dy, preferred_element_type=jnp.float32)
+    dw = jnp.einsum(f"{x_dims},{out}->{w_dims}", x, dy)
     return dx.astype(x.dtype), dw.astype(w_dtype)
 
 

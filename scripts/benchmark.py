@@ -403,7 +403,6 @@ def bench_checkpoint(args, peak) -> dict:
 
 # MaxText's decoder (Llama 2's) made GPT's: a GELU MLP and one key/value head per query head.
 MAXTEXT_GPT = ["base_num_kv_heads=4", "mlp_activations=[gelu]"]
-MAXTEXT_WIDE = ["base_num_decoder_layers=8", "base_emb_dim=512", "base_num_query_heads=8", "base_mlp_dim=2048"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +433,15 @@ MAXTEXT_CASES = {
         "gpt-cpu",
         "fsdp=8",
         ours=("n_layers=8", "d_model=512", "n_heads=8", "d_ff=2048", "seq_len=128"),
-        theirs=("base_num_kv_heads=8", "mlp_activations=[gelu]", *MAXTEXT_WIDE, "max_target_length=128"),
+        theirs=(
+            "mlp_activations=[gelu]",
+            "base_num_decoder_layers=8",
+            "base_emb_dim=512",
+            "base_num_query_heads=8",
+            "base_num_kv_heads=8",
+            "base_mlp_dim=2048",
+            "max_target_length=128",
+        ),
     ),
     # Two stages of two layers, 4 microbatches of 4 sequences: GPipe's order in both (MaxText's pipeline is GPipe
     # with circular repeats; one repeat here). MaxText needs each microbatch divisible by fsdp: a global batch of 16.

@@ -1,6 +1,6 @@
-"""`jaxtrain.ops.projection.project`: autodiff's gradients (float32; bfloat16 as close to exact as autodiff's), no
-dot left in XLA:CPU's slow transposed-left form, the `save_dots` policy keeping its outputs, and the plain einsum
-under the planner's plain math."""
+"""`jaxtrain.ops.projection.project` (GPT/Llama's projections, MoE's experts): autodiff's gradients (float32;
+bfloat16 as close to exact as autodiff's), no dot left in XLA:CPU's slow transposed-left form, the `save_dots` policy
+keeping its outputs, and the plain einsum under the planner's plain math."""
 
 import re
 import sys
@@ -19,12 +19,14 @@ from jaxtrain.training.setup import setup
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from xla_cpu_weight_gradient import major_contracting_dots  # noqa: E402
 
-# The model's projections: queries, output, MLP in and out.
+# The model's projections: queries, output, MLP in and out; MoE's expert MLPs (a weight per expert).
 SPECS = {
     "btd,dhk->bthk": ((2, 16, 32), (32, 4, 8)),
     "bthk,hkd->btd": ((2, 16, 4, 8), (4, 8, 32)),
     "btd,df->btf": ((2, 16, 32), (32, 64)),
     "btf,fd->btd": ((2, 16, 64), (64, 32)),
+    "egcd,edf->egcf": ((4, 2, 8, 32), (4, 32, 64)),
+    "egcf,efd->egcd": ((4, 2, 8, 64), (4, 64, 32)),
 }
 
 

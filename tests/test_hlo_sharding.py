@@ -1,6 +1,9 @@
 """Sharding proved in the compiled program: which collectives, how many, how many bytes; and memory per device."""
 
+import argparse
 import math
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -9,6 +12,9 @@ from helpers import make_run
 
 from jaxtrain.analysis.hlo import collectives, summarize
 from jaxtrain.analysis.memory import total_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from xla_cpu_fsdp_collectives import collectives as reproduction  # noqa: E402
 
 REDUCTIONS = ("all-reduce", "reduce-scatter", "all-to-all")
 
@@ -111,13 +117,6 @@ def test_xla_cpu_moves_fsdp_weights_in_float32_whatever_the_program_asks():
     """scripts/xla_cpu_fsdp_collectives.py's reproduction, CPU side: a bfloat16 program's FSDP gathers and gradient
     sums run in float32 on XLA:CPU (MaxText's too). When this fails XLA has fixed it: the CPU benchmarks' notes on
     float32 collectives (docs/benchmarks.md) are then out of date."""
-    import argparse
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from xla_cpu_fsdp_collectives import collectives as reproduction
-
     shape = argparse.Namespace(layers=1, d_model=64, d_ff=128, tokens=64)
     found = reproduction(jax.devices()[:8], shape)["collectives"]
     assert set(found) == {"all-gather f32", "all-reduce f32"}, found

@@ -17,6 +17,7 @@ Measured on the 2-core CPU machine, alternated in one process, 2026-12-03:
   (0.91-1.16x in earlier runs: no clear effect). On 8 devices (`fsdp=8`, `data=8`, `data=2,fsdp=2,tensor=2`)
   0.94-1.07x (with a float32-accumulating first version): the SPMD partitioner's per-device program already leaves
   autodiff's dot in a form YNNPACK takes.
+- MoE's expert MLPs (moe-cpu, one device): 1.44x in bfloat16, 1.10x in float32; 1.07x on `data=2,expert=4`.
 On GPU and TPU the dot is the same contraction with its operands in the other order (not measured: none here).
 
 >>> import jax, jax.numpy as jnp

@@ -1,6 +1,7 @@
 """`jaxtrain.ops.projection.project` (GPT/Llama's projections, MoE's experts): autodiff's gradients (float32;
-bfloat16 as close to exact as autodiff's), no dot left in XLA:CPU's slow transposed-left form, the `save_dots` policy
-keeping its outputs, and the plain einsum under the planner's plain math."""
+bfloat16 as close to exact as autodiff's), no dot left in XLA:CPU's slow transposed-left form, recomputed float32
+activations written out before the weight gradient's transpose (on CPU only), the `save_dots` policy keeping its
+outputs, and the plain einsum under the planner's plain math."""
 
 import re
 import sys
@@ -11,12 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtrain.ops import projection
+from jaxtrain.ops.cotangent import unfused_cotangent
 from jaxtrain.ops.plain import plain_math
 from jaxtrain.ops.projection import project
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.setup import setup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from xla_cpu_transposed_fusion import transposed_fusions  # noqa: E402
 from xla_cpu_weight_gradient import major_contracting_dots  # noqa: E402
 
 # The model's projections: queries, output, MLP in and out; MoE's expert MLPs (a weight per expert).
@@ -92,6 +96,56 @@ def test_cpu_runs_no_weight_gradient_dot_in_the_slow_form():
     # Autodiff's two weight gradients are transposed-left dots; ours none. If XLA:CPU stops making the first,
     # `project`'s custom gradient may no longer be worth its code: measure with scripts/xla_cpu_weight_gradient.py.
     assert counts == {"einsum": 2, "project": 0}, counts
+
+
+def rematted_mlp_gradient(dtype=jnp.float32):
+    """A 2-block GELU MLP recomputed in the backward (`remat=full`, as the GPT's blocks): its jitted gradient, the
+    gradient's inputs, and the (rows, widths) of the transposes its weight gradients read."""
+    batch, seq, d_model, d_ff = 3, 32, 64, 256  # B*T differs from both widths, so a transposed write is unambiguous
+
+    @jax.checkpoint
+    def block(weights, x):
+        hidden = unfused_cotangent(project("btd,df->btf", x, weights[0]))
+        return x + project("btf,fd->btd", jax.nn.gelu(hidden), weights[1])
+
+    def mlp_loss(weights, x):
+        for _ in range(2):
+            x = block(weights, x)
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    rng = np.random.default_rng(0)
+    weights = tuple(jnp.asarray(rng.standard_normal(s) * 0.05, jnp.float32) for s in ((d_model, d_ff), (d_ff, d_model)))
+    x = jnp.asarray(rng.standard_normal((batch, seq, d_model)), dtype)
+    return jax.jit(jax.grad(mlp_loss)), (weights, x), (batch * seq, (d_model, d_ff))
+
+
+def test_cpu_writes_recomputed_activations_out_before_transposing_them(monkeypatch):
+    gradient, args, shape = rematted_mlp_gradient()
+    counts = {"ours": transposed_fusions(gradient.lower(*args).compile().as_text(), *shape)}
+    ours = gradient(*args)
+    monkeypatch.setattr(projection, "unfused_on_cpu", lambda x: x)
+    gradient, args, shape = rematted_mlp_gradient()
+    counts["without"] = transposed_fusions(gradient.lower(*args).compile().as_text(), *shape)
+    # Without the barrier XLA:CPU fuses the recomputed GELU output into the transpose that w2's gradient reads, one
+    # per block (`jaxtrain.ops.cotangent`); with it every transpose is a plain one.
+    assert counts == {"ours": {"transpose_only": 4, "with_math": 0}, "without": {"transpose_only": 2, "with_math": 2}}
+    for a, b in zip(ours, gradient(*args)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_weight_gradients_barrier_is_for_float32_on_cpu_only(monkeypatch):
+    def barriers(dtype, platform="cpu"):
+        gradient, args, _ = rematted_mlp_gradient(dtype)
+        return gradient.trace(*args).lower(lowering_platforms=(platform,)).as_text().count("optimization_barrier")
+
+    ours = {
+        case: barriers(*case) for case in ((jnp.float32,), (jnp.bfloat16,), (jnp.float32, "tpu"), (jnp.float32, "cuda"))
+    }
+    monkeypatch.setattr(projection, "unfused_on_cpu", lambda x: x)
+    without = {case: barriers(*case) for case in ours}
+    # remat's own barriers are in both; ours add one per weight gradient (2 blocks x 2 projections) on CPU in float32.
+    assert ours[(jnp.float32,)] == without[(jnp.float32,)] + 4
+    assert all(ours[case] == without[case] for case in ours if case != (jnp.float32,)), (ours, without)
 
 
 def test_plain_math_is_the_plain_einsum():

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain.ops.cotangent import unfused_on_cpu
 from jaxtrain.ops.plain import is_plain
 
 SAVEABLE = "projection"  # the name `project` gives its output, for `jax.checkpoint_policies.save_only_these_names`
@@ -76,8 +77,9 @@ def _backward(
     inputs, out = spec.split("->")
     x_dims, w_dims = inputs.split(",")
     dx = jnp.einsum(f"{out},{w_dims}->{x_dims}", dy, cast.astype(dy.dtype))
-    # The activations are the dot's left operand: see the module's docstring.
-    dw = jnp.einsum(f"{x_dims},{out}->{w_dims}", x, dy)
+    # The activations are the dot's left operand: see the module's docstring. Written out first: recomputed under
+    # remat, their math would otherwise be fused into the slow transposing copy the dot asks for (`unfused_on_cpu`).
+    dw = jnp.einsum(f"{x_dims},{out}->{w_dims}", unfused_on_cpu(x), dy)
     return dx.astype(x.dtype), dw.astype(w_dtype)
 
 

@@ -22,7 +22,7 @@ Sections:
              shards vs synthetic tokens (target: within 3%, the loader never the bottleneck)
   hf         Hugging Face import and export of a >= 1 GB Llama built here: MB/s and each process's peak RSS against
              model bytes / processes + the largest tensor + 1 GiB
-  small      small GPTs (d_model 128 and 256) on one device, float32 and bfloat16: step time and model FLOP/s
+  small      small GPTs (d_model 128, 256, 512) on one device, float32 and bfloat16: step time and model FLOP/s
              against a plain jitted matmul's rate in the same dtype, alternated
   async      the Ray engine, 4 workers with one slowed 3x by waiting: samples/s of async vs sync updates (target >= 1.5)
              and validation loss vs wall time of both, on tinyshakespeare (else the built-in text); --async-plot PNG
@@ -200,6 +200,7 @@ def bench_compile(args, peak) -> dict:
 SMALL_SHAPES = {
     "d128": ["n_layers=4", "d_model=128", "n_heads=4", "d_ff=512", "seq_len=64", "batch_size=12"],
     "d256": ["n_layers=4", "d_model=256", "n_heads=4", "d_ff=1024", "seq_len=256", "batch_size=8"],
+    "d512": ["n_layers=4", "d_model=512", "n_heads=8", "d_ff=2048", "seq_len=256", "batch_size=8"],
 }
 MATMUL_SIZE = 2048
 

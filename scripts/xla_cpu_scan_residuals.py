@@ -20,15 +20,14 @@ are equal.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from xla_cpu_common import alternated_seconds, mlp_arguments, mlp_inputs
 from xla_cpu_transposed_fusion import barrier_cotangent
 
 
@@ -62,20 +61,8 @@ def megabytes(shape: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--d-ff", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=10)
-    args = parser.parse_args()
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((args.batch, args.seq, args.d_model)), jnp.float32)
-    weights = (
-        jnp.asarray(rng.standard_normal((args.layers, args.d_model, args.d_ff)) * 0.05, jnp.float32),
-        jnp.asarray(rng.standard_normal((args.layers, args.d_ff, args.d_model)) * 0.05, jnp.float32),
-    )
+    args = mlp_arguments(__doc__, batch=8, seq=256, d_model=256, d_ff=1024, rounds=10)
+    weights, x = mlp_inputs(args)
     programs = {form: gradient(form, args.layers) for form in ("scan", "scan_unrolled", "python_loop")}
     results = {form: jax.block_until_ready(f(weights, x)) for form, f in programs.items()}
     equal = all(
@@ -83,12 +70,7 @@ def main() -> None:
         for other in ("scan_unrolled", "python_loop")
         for a, b in zip(results["scan"], results[other])
     )
-    times = {form: [] for form in programs}
-    for _ in range(args.rounds):
-        for form, f in programs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(f(weights, x))
-            times[form].append(time.perf_counter() - start)
+    times = alternated_seconds(programs, (weights, x), args.rounds)
     report = {"jax": jax.__version__, "shape": vars(args), "gradients_equal": equal}
     for form, f in programs.items():
         hlo = f.lower(weights, x).compile().as_text()

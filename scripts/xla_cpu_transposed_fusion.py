@@ -11,14 +11,13 @@ fusions write a (width, B*T) transpose, with and without elementwise math in the
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from xla_cpu_common import alternated_seconds, mlp_arguments, mlp_inputs
 
 
 @jax.custom_vjp
@@ -53,29 +52,12 @@ def transposed_fusions(hlo: str, rows: int, widths: tuple[int, ...]) -> dict[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=12)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--d-ff", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=20)
-    args = parser.parse_args()
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((args.batch, args.seq, args.d_model)), jnp.float32)
-    weights = (
-        jnp.asarray(rng.standard_normal((args.layers, args.d_model, args.d_ff)) * 0.05, jnp.float32),
-        jnp.asarray(rng.standard_normal((args.layers, args.d_ff, args.d_model)) * 0.05, jnp.float32),
-    )
+    args = mlp_arguments(__doc__, batch=12, seq=64, d_model=128, d_ff=512, rounds=20)
+    weights, x = mlp_inputs(args)
     programs = {name: gradient(args.layers, name == "barrier") for name in ("fused", "barrier")}
     results = {name: jax.block_until_ready(f(weights, x)) for name, f in programs.items()}
     equal = all(bool(jnp.array_equal(a, b)) for a, b in zip(results["fused"], results["barrier"]))
-    times = {name: [] for name in programs}
-    for _ in range(args.rounds):
-        for name, f in programs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(f(weights, x))
-            times[name].append(time.perf_counter() - start)
+    times = alternated_seconds(programs, (weights, x), args.rounds)
     flops = 3 * 2 * 2 * args.batch * args.seq * args.d_model * args.d_ff * args.layers
     report = {
         "jax": jax.__version__,

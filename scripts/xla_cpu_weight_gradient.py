@@ -15,14 +15,13 @@ gradient (float32: summation order only).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from xla_cpu_common import alternated_seconds, mlp_arguments, mlp_inputs
 
 
 def activations_first(spec: str):
@@ -60,33 +59,15 @@ def major_contracting_dots(hlo: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--d-ff", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=10)
-    args = parser.parse_args()
+    args = mlp_arguments(__doc__, batch=8, seq=256, d_model=256, d_ff=1024, rounds=10, dtype="bfloat16")
     jax.config.update("jax_platforms", "cpu")
     dtype = jnp.dtype(args.dtype)
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((args.batch, args.seq, args.d_model)), dtype)
-    weights = (
-        jnp.asarray(rng.standard_normal((args.layers, args.d_model, args.d_ff)) * 0.05, jnp.float32),
-        jnp.asarray(rng.standard_normal((args.layers, args.d_ff, args.d_model)) * 0.05, jnp.float32),
-    )
+    weights, x = mlp_inputs(args, dtype)
     programs = {
         name: gradient(args.layers, dtype, name == "activations_first") for name in ("autodiff", "activations_first")
     }
     results = {name: jax.block_until_ready(f(weights, x)) for name, f in programs.items()}
-    times = {name: [] for name in programs}
-    for _ in range(args.rounds):
-        for name, f in programs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(f(weights, x))
-            times[name].append(time.perf_counter() - start)
+    times = alternated_seconds(programs, (weights, x), args.rounds)
     difference = max(
         float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
         for a, b in zip(results["autodiff"], results["activations_first"])

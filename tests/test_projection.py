@@ -121,15 +121,17 @@ def rematted_mlp_gradient(dtype=jnp.float32):
 
 def test_cpu_writes_recomputed_activations_out_before_transposing_them(monkeypatch):
     gradient, args, shape = rematted_mlp_gradient()
-    counts = {"ours": transposed_fusions(gradient.lower(*args).compile().as_text(), *shape)}
-    ours = gradient(*args)
+    compiled = gradient.lower(*args).compile()
+    counts = {"ours": transposed_fusions(compiled.as_text(), *shape)}
+    ours = compiled(*args)
     monkeypatch.setattr(projection, "unfused_on_cpu", lambda x: x)
     gradient, args, shape = rematted_mlp_gradient()
-    counts["without"] = transposed_fusions(gradient.lower(*args).compile().as_text(), *shape)
+    compiled = gradient.lower(*args).compile()
+    counts["without"] = transposed_fusions(compiled.as_text(), *shape)
     # Without the barrier XLA:CPU fuses the recomputed GELU output into the transpose that w2's gradient reads, one
     # per block (`jaxtrain.ops.cotangent`); with it every transpose is a plain one.
     assert counts == {"ours": {"transpose_only": 4, "with_math": 0}, "without": {"transpose_only": 2, "with_math": 2}}
-    for a, b in zip(ours, gradient(*args)):
+    for a, b in zip(ours, compiled(*args)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

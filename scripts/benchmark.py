@@ -104,11 +104,16 @@ def stepper(run):
 
 def interleaved(timers: dict, rounds: int, steps: int) -> dict[str, float]:
     """Median seconds/step of each timer, measured in alternation so that machine noise hits all alike."""
+    return {name: statistics.median(values) for name, values in interleaved_samples(timers, rounds, steps).items()}
+
+
+def interleaved_samples(timers: dict, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Seconds/step of each timer (a function of a step count) in each of `rounds` rounds, the timers alternating."""
     samples = {name: [] for name in timers}
     for _ in range(rounds):
         for name, timer in timers.items():
             samples[name].append(timer(steps))
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
 
 
 def throughput(run, seconds: float, peak: float) -> dict:

@@ -56,7 +56,7 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    import jax
+    from benchmark import interleaved_samples, stepper
 
     from jaxtrain.analysis.matmuls import matmuls
     from jaxtrain.run_config import apply_overrides, default_config
@@ -67,29 +67,15 @@ def measure(args: argparse.Namespace) -> dict:
         return setup(config, log=lambda *_: None)
 
     run = built()
-    state = run.plan.init_state(run.optimizer, 0)
-    batch = run.batch("train", 0)
-    state, metrics = run.train_step(state, batch)  # compiles
-    jax.block_until_ready(metrics)
     source = built("remat=none").train_step if args.no_remat else run.train_step
     text = source.as_text()
     found = matmuls(text)
     convolutions = text.count(" convolution(")  # not matmuls: a floor of the dots alone would leave them out
-    floor, operands = floor_program(found, jax.devices()[: args.devices])
-    jax.block_until_ready(floor(operands))
-
-    holder = {"state": state}
-
-    def step() -> None:
-        holder["state"], out = run.train_step(holder["state"], batch)
-        jax.block_until_ready(out)
-
-    calls = {"step": step, "floor": lambda: jax.block_until_ready(floor(operands))}
+    timers = {"step": stepper(run), "floor": floor_timer(found, args.devices)}
     if args.other_hlo:
         other = matmuls(args.other_hlo.read_text())
-        other_floor, other_operands = floor_program(other, jax.devices()[: args.devices])
-        calls["other_floor"] = lambda: jax.block_until_ready(other_floor(other_operands))
-    times = alternated(calls, args)
+        timers["other_floor"] = floor_timer(other, args.devices)
+    times = interleaved_samples(timers, args.rounds, args.steps)
     step_s, floor_s = (statistics.median(times[name]) for name in ("step", "floor"))
     flops = sum(m.flops * m.executions for m in found)
     inexact = sum(m.executions for m in found if not m.exact)
@@ -131,6 +117,23 @@ def _other(path: Path, found, times: list[float], our_floor_s: float) -> dict:
         "floor_s_rounds": [round(t, 4) for t in times],
         "shapes": shape_table(found),
     }
+
+
+def floor_timer(found, devices: int):
+    """Seconds per call of `found`'s floor program over `n` calls, as `benchmark.stepper`'s timers (warmed up)."""
+    import jax
+
+    program, operands = floor_program(found, jax.devices()[:devices])
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            out = program(operands)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    timed(2)
+    return timed
 
 
 def floor_program(found, devices):
@@ -178,34 +181,22 @@ def _key(m) -> tuple:
     return (m.batch, m.m, m.k, m.n, m.lhs_dtype, m.rhs_dtype, m.out_dtype)
 
 
-def alternated(calls: dict, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Seconds per call of each, `args.steps` calls a turn, the calls taking turns for `args.rounds` rounds."""
-    for call in calls.values():
-        call()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(args.rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                call()
-            times[name].append((time.perf_counter() - start) / args.steps)
-    return times
-
-
 def shape_table(found) -> list[dict]:
     """Distinct matmul shapes, with how many times each runs per step and its share of the step's matmul FLOPs."""
     executions: collections.Counter = collections.Counter()
+    flops: collections.Counter = collections.Counter()
     for m in found:
         executions[_key(m)] += m.executions
-    total = sum(2 * k[0] * k[1] * k[2] * k[3] * n for k, n in executions.items())
+        flops[_key(m)] += m.flops * m.executions
+    total = sum(flops.values())
     return [
         {
             "batch_m_k_n": list(k[:4]),
             "dtypes": "x".join(k[4:6]) + "->" + k[6],
-            "per_step": n,
-            "flop_share": round(2 * k[0] * k[1] * k[2] * k[3] * n / total, 3),
+            "per_step": executions[k],
+            "flop_share": round(share / total, 3),
         }
-        for k, n in sorted(executions.items(), key=lambda item: -item[1] * item[0][0] * item[0][1] * item[0][2] * item[0][3])
+        for k, share in flops.most_common()
     ]
 
 

@@ -276,7 +276,7 @@ def _as_devices(
     return tuple(tuple(g) for g in found)
 
 
-def _arrays(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def arrays(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(dtype, dims) of every array in a printed type."""
     return tuple((dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(type_text))
 
@@ -487,7 +487,7 @@ def _fused_reduce_scatter(uses: _Uses, computation: str, reduce: Instruction) ->
             slices.append(user)
         else:
             return None
-    return tuple(array for s in slices for array in _arrays(s.type)) if slices else None
+    return tuple(array for s in slices for array in arrays(s.type)) if slices else None
 
 
 def collectives(hlo_text: str, device_ids: Sequence[int] = ()) -> list[Collective]:
@@ -557,7 +557,7 @@ class _Program:
         return Collective(
             name=send.name,
             kind=_MEGASCALE_KINDS[transfer],
-            shapes=_arrays(_tuple_elements(send.type)[0]) if send.type.startswith("(") else _arrays(send.type),
+            shapes=arrays(_tuple_elements(send.type)[0]) if send.type.startswith("(") else arrays(send.type),
             groups=groups,
             pairs=pairs,
             executions=self.runs.get(computation, 1),
@@ -586,16 +586,16 @@ def _megascale_targets(send: Instruction, per_slice: int, device_ids: Sequence[i
 def _result_shapes(uses: _Uses, computation: str, instruction: Instruction) -> tuple:
     """(dtype, dims) of the arrays a collective produces: an async start's are those of its `-done`."""
     if not instruction.opcode.endswith("-start"):
-        return _arrays(instruction.type)
+        return arrays(instruction.type)
     done = instruction.opcode.removesuffix("-start") + "-done"
     for user in uses.of(computation, instruction.name):
         if user.opcode == done:
-            return _arrays(user.type)
+            return arrays(user.type)
     # No -done in sight: a start's tuple is (operands, results, context...), except an all-reduce-start's, which
     # XLA:CPU writes as its results.
     if instruction.opcode == "all-reduce-start" or not instruction.type.startswith("("):
-        return _arrays(instruction.type)
-    return _arrays(_tuple_elements(instruction.type)[1])
+        return arrays(instruction.type)
+    return arrays(_tuple_elements(instruction.type)[1])
 
 
 def _fusions(module: Module) -> dict[str, Instruction]:

@@ -4,8 +4,8 @@ it runs per call of the program.
 What the compiler kept, not what the model asked for: rematerialized forward matmuls appear twice, the SPMD
 partitioner's per-device shapes replace the global ones, and a dot in a scanned layer stack counts once per layer
 (its loop's trip count, as `jaxtrain.analysis.hlo` reads it). A dot in a branch of a `conditional` counts as if
-its branch ran every time, since which branch runs is known only at run time (`Matmul.exact` is then False). `scripts/matmul_floor.py` runs a program of these
-matmuls alone to time what a step's matmuls cost on their own.
+its branch ran every time, since which branch runs is known only at run time (`Matmul.exact` is then False).
+`scripts/matmul_floor.py` runs a program of these matmuls alone to time what a step's matmuls cost on their own.
 
     >>> import jax, jax.numpy as jnp
     >>> from jaxtrain.analysis.matmuls import matmuls
@@ -22,9 +22,7 @@ import dataclasses
 import math
 import re
 
-from jaxtrain.analysis.hlo import Module, loop_multiplicity, parse_module
-
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+from jaxtrain.analysis.hlo import Module, arrays, loop_multiplicity, parse_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +106,10 @@ def _under_branches(module: Module) -> set[str]:
 
 
 def _array(type_text: str) -> tuple[str, tuple[int, ...]]:
-    found = _ARRAY.search(type_text)
+    found = arrays(type_text)
     if not found:
         raise ValueError(f"not an array type: {type_text!r}")
-    return found.group(1), tuple(int(d) for d in found.group(2).split(",") if d)
+    return found[0]
 
 
 def _dims(line: str, key: str) -> tuple[int, ...]:

@@ -10,14 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtrain.analysis.hlo import parse_module
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from xla_cpu_transpose import tiled_transpose  # noqa: E402
 
 
 def loop_fusions(fn, x) -> int:
-    text = jax.jit(fn).lower(x).compile().as_text()
-    entry = text[text.index("ENTRY") :]
-    return entry.count("kind=kLoop")
+    """Loop fusions in the compiled program's entry computation."""
+    module = parse_module(jax.jit(fn).lower(x).compile().as_text())
+    entry = module.computations[module.entry].values()
+    return sum(i.opcode == "fusion" and i.attribute("kind") == "kLoop" for i in entry)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

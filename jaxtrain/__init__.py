@@ -12,6 +12,16 @@ The API: `config`, `train`, `plan`, `use_simulated_devices`, `enable_compilation
 `available_models`, and the types a caller meets: `RunConfig`, `ModelSpec`, and the errors (every bad input is a
 `UserInputError` with a message saying what to change). Importing `jaxtrain` imports no JAX; the names that need it
 load on first use.
+
+For an application with a loop of its own (scripts/alphazero.py: self-play, a replay buffer, a learner), the pieces
+`train` is made of: `build` (the run's mesh, plan, data and compiled step, as a `Setup`), and the checkpoint and
+resume code every run shares: `run_lock`, `check_resume`, `open_checkpoints`, `resume`, `save_checkpoint`,
+`Progress` and `stop_signals` (an application's own trees and settings go in the same checkpoints).
+
+What the notebooks use beside these: data of your own (`TokenWindows` over token ids in memory, `builtin_text`, a BPE
+from `train_bpe`, shards from `tokenize`), text from a trained model (`Generator`), a run's cost
+(`communication_report` of its compiled step, `format_bytes`) and its checkpoints (`describe_checkpoint`, and
+`restore_checkpoint` onto any plan's shardings).
 """
 
 from __future__ import annotations
@@ -26,37 +36,91 @@ from jaxtrain.errors import ConfigError, UserInputError
 from jaxtrain.registry import ModelRegistrationError, ModelSpec, available_models, register_model
 
 if TYPE_CHECKING:
+    from jaxtrain.analysis.comm_report import communication_report
+    from jaxtrain.data.datasets import TokenWindows, builtin_text
+    from jaxtrain.data.shards import tokenize
+    from jaxtrain.data.tokenizer import train_bpe
+    from jaxtrain.formatting import fmt_bytes as format_bytes
+    from jaxtrain.inference.generate import Generator
+    from jaxtrain.placement.model import PlanError
     from jaxtrain.run_config import RunConfig
-    from jaxtrain.training.checkpoint import CheckpointWriteError
+    from jaxtrain.training.checkpoint import CheckpointWriteError, describe_checkpoint
+    from jaxtrain.training.checkpoint import restore as restore_checkpoint
     from jaxtrain.training.loop import train
-    from jaxtrain.training.model import PlanError
-    from jaxtrain.training.recovery import Preempted
+    from jaxtrain.training.recovery import (
+        Preempted,
+        Progress,
+        check_resume,
+        open_checkpoints,
+        resume,
+        save_checkpoint,
+        stop_signals,
+    )
+    from jaxtrain.training.run_lock import holding as run_lock
+    from jaxtrain.training.setup import build
 
-# Names loaded on first use (PEP 562): each imports JAX and most of the library.
+# Names loaded on first use (PEP 562): each imports JAX and most of the library. "module:attribute" where the
+# public name is not the module's.
 _LAZY = {
     "RunConfig": "jaxtrain.run_config",
     "train": "jaxtrain.training.loop",
-    "PlanError": "jaxtrain.training.model",
+    "PlanError": "jaxtrain.placement.model",
     "Preempted": "jaxtrain.training.recovery",
     "CheckpointWriteError": "jaxtrain.training.checkpoint",
+    # An application's own loop (scripts/alphazero.py) is built from these.
+    "build": "jaxtrain.training.setup",
+    "run_lock": "jaxtrain.training.run_lock:holding",
+    "check_resume": "jaxtrain.training.recovery",
+    "open_checkpoints": "jaxtrain.training.recovery",
+    "resume": "jaxtrain.training.recovery",
+    "save_checkpoint": "jaxtrain.training.recovery",
+    "Progress": "jaxtrain.training.recovery",
+    "stop_signals": "jaxtrain.training.recovery",
+    # What the notebooks use (notebooks/*.ipynb import nothing else; tests/test_docs.py checks it).
+    "TokenWindows": "jaxtrain.data.datasets",
+    "builtin_text": "jaxtrain.data.datasets",
+    "train_bpe": "jaxtrain.data.tokenizer",
+    "tokenize": "jaxtrain.data.shards",
+    "Generator": "jaxtrain.inference.generate",
+    "communication_report": "jaxtrain.analysis.comm_report",
+    "format_bytes": "jaxtrain.formatting:fmt_bytes",
+    "describe_checkpoint": "jaxtrain.training.checkpoint",
+    "restore_checkpoint": "jaxtrain.training.checkpoint:restore",
 }
 
 __all__ = [
     "CheckpointWriteError",
     "ConfigError",
     "DeviceSetupError",
+    "Generator",
     "ModelRegistrationError",
     "ModelSpec",
     "PlanError",
     "Preempted",
+    "Progress",
     "RunConfig",
+    "TokenWindows",
     "UserInputError",
     "available_models",
+    "build",
+    "builtin_text",
+    "check_resume",
+    "communication_report",
     "config",
+    "describe_checkpoint",
     "enable_compilation_cache",
+    "format_bytes",
+    "open_checkpoints",
     "plan",
     "register_model",
+    "restore_checkpoint",
+    "resume",
+    "run_lock",
+    "save_checkpoint",
+    "stop_signals",
+    "tokenize",
     "train",
+    "train_bpe",
     "use_simulated_devices",
 ]
 
@@ -139,7 +203,8 @@ def plan(
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'jaxtrain' has no attribute '{name}'")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
+    module, _, attribute = _LAZY[name].partition(":")
+    value = getattr(importlib.import_module(module), attribute or name)
     globals()[name] = value  # later lookups are plain attribute reads
     return value
 

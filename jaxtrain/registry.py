@@ -1,9 +1,10 @@
 """The model registry: `--model NAME` or `--model NAME-PRESET` (e.g. `gpt`, `gpt-small`, `mlp`).
 
 The library never imports a model package. Models arrive here by `register_model`, called by the package that
-defines them when it is imported: the project's own `models` package, or a user's. The first lookup of a name that
-is not registered loads the packages that installed projects declare under the `jaxtrain.models` entry-point group
-(this project declares `models`), so `jaxtrain train --model gpt` works without anyone importing `models` first.
+defines them when it is imported: the project's own `jaxtrain_models` package (the models/ folder of a checkout), or
+a user's. The first lookup of a name that is not registered loads the packages that installed projects declare under
+the `jaxtrain.models` entry-point group (this project declares `jaxtrain_models`), so `jaxtrain train --model gpt`
+works without anyone importing `jaxtrain_models` first.
 What a model must provide: `register_model`'s docstring, and docs/models.md.
 """
 
@@ -17,8 +18,9 @@ from collections.abc import Callable, Mapping
 from jaxtrain.errors import UserInputError
 
 ENTRY_POINT_GROUP = "jaxtrain.models"
-# selfplay: positions of self-play games, which a run brings as its dataset (jaxtrain.rl.replay.ReplayBuffer).
-TASKS = ("lm", "classification", "clicks", "selfplay")
+# The data a model trains on. "custom": data no source in `jaxtrain.data` makes, which the run brings as its dataset
+# (`build(cfg, dataset=...)`, `train(cfg, dataset=...)`), e.g. an application's replay buffer; its batch is the model's.
+TASKS = ("lm", "classification", "clicks", "custom")
 
 
 class ModelRegistrationError(UserInputError):
@@ -35,7 +37,7 @@ class ModelSpec:
     module: type
     presets: Mapping[str, Callable[[], object]]
     default_preset: str
-    task: str  # "lm" (token sequences), "classification" (feature vectors + labels) or "clicks" (recommendations)
+    task: str  # "lm" (token sequences), "classification" (features + labels), "clicks" (recommendations), "custom"
     replicate_unnamed: bool = False
 
 
@@ -62,7 +64,8 @@ def register_model(
     - `module(config, rngs=...)` builds it; nothing in it knows about meshes or the run config.
     - `loss(batch) -> (loss, metrics)`: a scalar mean over the batch's examples and a dict of scalar metrics (may be
       empty). The batch is the task's: `lm` {"tokens": int32 (B, T + 1)}; `classification` {"x": float32 (B, F),
-      "y": int32 (B,)}; `clicks` the recommender batch of `jaxtrain.data.clicks`.
+      "y": int32 (B,)}; `clicks` the recommender batch of `jaxtrain.data.clicks`; `custom` whatever the dataset the
+      run brings gives (no data source makes it: the run passes `dataset=` to `build` or `train`).
     - Logical names on every parameter, one per dimension (a name or None), which the sharding rules map to mesh
       axes: `nnx.Param(value, out_sharding=("embed", "mlp"))`, or for Flax layers `kernel_init=
       nnx.with_partitioning(init, ("embed", "mlp"))`. A parameter without names is refused, naming it, unless

@@ -1,7 +1,8 @@
 """AlphaZero's network for small board games: an observation (e.g. Connect Four's 6x7x2 planes) -> move logits and a
 value in [-1, 1] for the player to move. The loss is AlphaZero's: cross-entropy against the search's visit
-distribution plus the squared error against the game's outcome. Self-play, search and the replay buffer live in
-`jaxtrain.rl` and `scripts/alphazero.py`; this file knows nothing of them or of meshes."""
+distribution plus the squared error against the game's outcome. Its task is "custom": it trains on the positions of
+its own games, which the application brings as its dataset (self-play, search and the replay buffer live with it, in
+`scripts/alphazero.py` and `scripts/alphazero_app/`); this file knows nothing of them or of meshes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from flax import nnx
 
 from jaxtrain.settings import Settings, setting
 from jaxtrain.sharding.constraints import constrain
-from models.mlp import Dense
+
+from .mlp import Dense
 
 
 @dataclasses.dataclass(frozen=True)

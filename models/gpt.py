@@ -161,7 +161,7 @@ class GPTConfig(Settings):
 
 PRESETS = {
     "tiny": lambda: GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256, dtype="float32"),
-    # remat=full is ~20% faster than none on CPU (less memory traffic; measured by scripts/benchmark.py variants).
+    # remat=full is ~20% faster than none on CPU (less memory traffic; measured by benchmarks/benchmark.py variants).
     "cpu": lambda: GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=4, d_ff=1024, remat="full"),
     "small": lambda: GPTConfig(vocab_size=50304, n_layers=12, d_model=768, n_heads=12, d_ff=3072),
     "medium": lambda: GPTConfig(vocab_size=50304, n_layers=24, d_model=1024, n_heads=16, d_ff=4096),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from models.gpt import GPTConfig
+from .gpt import GPTConfig
 
 LLAMA3 = dict(
     mlp="swiglu",

@@ -43,7 +43,8 @@ from jaxtrain.ops.projection import project
 from jaxtrain.ops.sequence import next_tokens
 from jaxtrain.settings import setting
 from jaxtrain.sharding.constraints import constrain
-from models.gpt import GPT, Block, Context, GPTConfig, normal_param, residual_std
+
+from .gpt import GPT, Block, Context, GPTConfig, normal_param, residual_std
 
 
 @dataclasses.dataclass(frozen=True)

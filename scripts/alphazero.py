@@ -5,11 +5,14 @@ end the network plays 200 games against a random player and 200 against its own 
     python scripts/alphazero.py --simulated-devices 8 --mesh data=8 --iterations 40
 
 Each iteration: one batch of self-play games (one jitted program, the games batched), then `--learner-steps` steps of
-the compiled step (`Setup.train_step`: the run's optimizer, schedule and shardings) on batches the buffer draws.
+the compiled step (`jaxtrain.build(...).train_step`: the run's optimizer, schedule and shardings) on batches the
+buffer draws.
 
-With `--checkpoint-dir DIR` the run is saved every `--checkpoint-every` iterations and after the last (the train
-state, the replay buffer, the iteration and the step-0 network: `jaxtrain/rl/checkpoint.py`), and the same command
-resumes from DIR's newest checkpoint, on any mesh, to the games and losses of an uninterrupted run.
+With `--checkpoint-dir DIR` the run is saved every `--checkpoint-every` iterations and after the last, through
+jaxtrain's own checkpoint and resume code (`jaxtrain.save_checkpoint`, `jaxtrain.resume`): the train state, and beside
+it the replay buffer and the step-0 network; the self-play flags are the run's settings, which a resume must give
+alike. The same command resumes from DIR's newest checkpoint, on any mesh, to the games and losses of an uninterrupted
+run. The application uses jaxtrain's public API only; its own pieces are in scripts/alphazero_app/.
 """
 
 from __future__ import annotations
@@ -20,38 +23,50 @@ import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from jaxtrain.cli import command, flag_type  # noqa: E402  (imports no JAX)
-from jaxtrain.devices import enable_compilation_cache, use_simulated_devices  # noqa: E402
+import jaxtrain  # noqa: E402  (imports no JAX)
 
 if TYPE_CHECKING:
-    from jaxtrain.run_config import RunConfig
+    from alphazero_app.replay import ReplayBuffer
 
 EVERY = 5  # iterations between checkpoints by default
+SETTINGS = ("games", "simulations", "learner_steps", "capacity")  # flags that define a run besides its run config
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `least`, else argparse's usage error saying what was expected."""
+
+    def parse(text: str) -> int:
+        value = int(text) if text.lstrip("-").isdigit() else None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got '{text}'")
+        return value
+
+    return parse
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--simulated-devices", type=flag_type(at_least=1), help="N simulated CPU devices")
+    parser.add_argument("--simulated-devices", type=at_least(1), help="N simulated CPU devices")
     parser.add_argument("--mesh", default="data=-1", help="the learner's mesh (default data=-1)")
     parser.add_argument("--model", default="alphazero-connect4")
-    parser.add_argument("--iterations", type=flag_type(at_least=1), default=40, help="self-play + learning rounds")
-    parser.add_argument("--games", type=flag_type(at_least=1), default=64, help="self-play games per iteration")
-    parser.add_argument("--simulations", type=flag_type(at_least=1), default=16, help="search simulations per move")
-    parser.add_argument("--learner-steps", type=flag_type(at_least=1), default=20, help="train steps per iteration")
-    parser.add_argument("--batch-size", type=flag_type(at_least=1), default=256)
-    parser.add_argument("--capacity", type=flag_type(at_least=1), default=50_000, help="replay buffer positions")
-    parser.add_argument("--eval-games", type=flag_type(at_least=2), default=200)
-    parser.add_argument("--seed", type=flag_type(at_least=0), default=0)
-    parser.add_argument("--devices", type=flag_type(at_least=1), help="use the first N devices (default: all)")
+    parser.add_argument("--iterations", type=at_least(1), default=40, help="self-play + learning rounds")
+    parser.add_argument("--games", type=at_least(1), default=64, help="self-play games per iteration")
+    parser.add_argument("--simulations", type=at_least(1), default=16, help="search simulations per move")
+    parser.add_argument("--learner-steps", type=at_least(1), default=20, help="train steps per iteration")
+    parser.add_argument("--batch-size", type=at_least(1), default=256)
+    parser.add_argument("--capacity", type=at_least(1), default=50_000, help="replay buffer positions")
+    parser.add_argument("--eval-games", type=at_least(2), default=200)
+    parser.add_argument("--seed", type=at_least(0), default=0)
+    parser.add_argument("--devices", type=at_least(1), help="use the first N devices (default: all)")
     parser.add_argument("--checkpoint-dir", help="save the run here, and resume from its newest checkpoint here")
-    parser.add_argument(
-        "--checkpoint-every", type=flag_type(at_least=1), help=f"iterations between checkpoints (default {EVERY})"
-    )
+    parser.add_argument("--checkpoint-every", type=at_least(1), help=f"iterations per checkpoint (default {EVERY})")
+    parser.add_argument("--allow-config-change", help="run config keys a resume may change (steps: more iterations)")
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides")
     args = parser.parse_args(argv)
@@ -61,98 +76,153 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_config(args: argparse.Namespace) -> RunConfig:
-    """The learner's run config: the model, mesh, batch, seed and schedule length the flags give, then overrides."""
-    from jaxtrain.run_config import apply_overrides, default_config
-
+def run_config(args: argparse.Namespace) -> jaxtrain.RunConfig:
+    """The learner's run config: the model, mesh, batch, seed, schedule length and checkpointing the flags give (a
+    checkpoint every `--checkpoint-every` iterations is one every that many learner steps), then overrides."""
     steps = args.iterations * args.learner_steps
-    overrides = [f"mesh={args.mesh}", f"steps={steps}", f"batch_size={args.batch_size}", f"seed={args.seed}"]
-    return apply_overrides(default_config(args.model), [*overrides, "learning_rate=1e-3", "warmup_steps=20",
-                                                        *args.overrides])  # fmt: skip
+    flags = [f"mesh={args.mesh}", f"steps={steps}", f"batch_size={args.batch_size}", f"seed={args.seed}",
+             "learning_rate=1e-3", "warmup_steps=20"]  # fmt: skip
+    if args.allow_config_change:
+        flags.append(f"train.allow_config_change={args.allow_config_change}")
+    if args.checkpoint_dir:
+        every = args.checkpoint_every * args.learner_steps
+        flags += [f"train.checkpoint_dir={args.checkpoint_dir}", f"train.checkpoint_every={every}"]
+    return jaxtrain.config(args.model, overrides=[*flags, *args.overrides])
 
 
 def selfplay_settings(args: argparse.Namespace) -> dict[str, int]:
     """The flags that define a run's trajectory besides its run config: a resume must give the checkpoint's."""
-    return {name: getattr(args, name) for name in ("games", "simulations", "learner_steps", "capacity")}
+    return {name: getattr(args, name) for name in SETTINGS}
 
 
-def train_alphazero(args: argparse.Namespace, log=print) -> dict:
+def train_alphazero(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     """Self-play and learn up to `args.iterations` rounds (resuming from `args.checkpoint_dir`'s newest checkpoint, if
     any), then evaluate. Returns the report: its losses and first self-play moves are those this call played."""
     import jax
     import pgx
-
-    from jaxtrain.rl.checkpoint import SelfPlayCheckpoints, check_resume
-    from jaxtrain.rl.replay import ReplayBuffer
-    from jaxtrain.training import run_lock
-    from jaxtrain.training.setup import build
+    from alphazero_app.replay import ReplayBuffer
 
     env = pgx.make("connect_four")
-    cfg, settings = run_config(args), selfplay_settings(args)
-    directory = args.checkpoint_dir or ""
-    with run_lock.holding(directory, log):  # one writer per checkpoint directory
-        if directory:
-            check_resume(directory, cfg, settings)  # another run's checkpoints are refused before anything compiles
+    cfg = run_config(args)
+    with jaxtrain.run_lock(cfg.train.checkpoint_dir, log):  # one writer per checkpoint directory
+        # Another run's checkpoints are refused before anything compiles.
+        run_name = jaxtrain.check_resume(cfg, selfplay_settings(args))
         buffer = ReplayBuffer(env.observation_shape, env.num_actions, args.capacity, args.seed)
-        run = build(cfg, log=lambda *_: None, devices=jax.devices()[: args.devices], dataset=buffer)
-        checkpoints = SelfPlayCheckpoints(directory, args.checkpoint_every, run, settings) if directory else None
-        with checkpoints or contextlib.nullcontext():
-            report = _iterate(args, env, run, buffer, checkpoints, log)
+        run = jaxtrain.build(cfg, log=lambda *_: None, devices=jax.devices()[: args.devices], dataset=buffer)
+        with jaxtrain.open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
+            learner = Learner(args, run, buffer, checkpoints, run_name, log)
+            report = _iterate(args, env, learner, log)
     return {**report, "mesh": cfg.mesh, "devices": len(jax.devices()), "eval_games": args.eval_games}
 
 
-def _iterate(args: argparse.Namespace, env, run, buffer, checkpoints, log) -> dict:
+class Learner:
+    """The learner's side of a run: its train state, the step-0 network's params and where it stands, saved with
+    the replay buffer through jaxtrain's checkpoints (`checkpoints`: None without --checkpoint-dir). It starts from
+    the newest checkpoint (its positions restored into `buffer`), or as the new run `run_name`."""
+
+    def __init__(self, args: argparse.Namespace, run: Any, buffer: ReplayBuffer, checkpoints: Any, run_name: str, log):
+        self.args, self.run, self.buffer, self.checkpoints, self.log = args, run, buffer, checkpoints, log
+        self.settings = selfplay_settings(args)
+        self._start(run_name)
+
+    def _start(self, run_name: str) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        abstract = self.run.plan.abstract_model_state()
+        # The step-0 params as the actors take them, the model's own layout: the script has no pipeline layouts.
+        extras = {"initial_params": abstract["params"], "replay": self.buffer.saved_shapes()}
+        resumed = self.checkpoints and jaxtrain.resume(self.run, self.checkpoints, self.log, extras, self.settings)
+        if resumed:
+            self.buffer.restore(resumed.extras["replay"])
+            self.state, self.initial, self.progress = resumed.state, resumed.extras["initial_params"], resumed.progress
+            return
+        self.state = self.run.plan.init_state(self.run.optimizer, self.args.seed)
+        self.initial = jax.tree.map(jnp.copy, self.state["params"])  # a copy: the train step donates the state's
+        self.progress = jaxtrain.Progress(run=run_name)
+
+    @property
+    def iteration(self) -> int:
+        """Iterations done."""
+        return self.progress.step // self.args.learner_steps
+
+    def learn(self) -> list:
+        """One iteration's `--learner-steps` steps on batches the buffer draws; returns their losses (on device)."""
+        losses = []
+        for _ in range(self.args.learner_steps):
+            self.state, metrics = self.run.train_step(self.state, self.run.batch("train", self.progress.step))
+            self.progress.step += 1
+            losses.append(metrics["loss"])
+        return losses
+
+    def save(self, stopping: bool) -> None:
+        """Save the iteration just done if one is due (or the run is `stopping`); returns once the arrays are off the
+        devices, so the next step may reuse the state's buffers."""
+        checkpoints, step = self.checkpoints, self.progress.step
+        if checkpoints and (stopping or checkpoints.due(step, self.run.cfg.train.steps)):
+            extras = {"initial_params": self.initial, "replay": self.buffer.saved()}
+            jaxtrain.save_checkpoint(self.run, checkpoints, self.state, self.progress, self.log, extras, self.settings)
+
+    def wait(self) -> None:
+        """Block until every started save is on disk."""
+        if self.checkpoints:
+            self.checkpoints.wait()
+
+
+def _iterate(args: argparse.Namespace, env, learner: Learner, log) -> dict:
     """The iterations from the newest checkpoint (or the start) to `args.iterations`, saving when due; then the
     evaluation. Returns the report's figures."""
     import jax
+    from alphazero_app.selfplay import training_rows
 
-    from jaxtrain.rl.selfplay import match, training_rows
-    from jaxtrain.training.recovery import Preempted, StopRequest, stop_signals
-
-    forward, play = _actors(args, env, run)
-    state, initial, start = _start(run, checkpoints, buffer, args.seed, log)
-    key = jax.random.key(args.seed)
+    forward, play = _actors(args, env, learner.run)
+    start, key = learner.iteration, jax.random.key(args.seed)
     acting = learning = 0.0
     losses, first_actions = [], None
-    # With checkpoints, SIGTERM (preemption) or Ctrl-C finishes the iteration, saves it and stops (`Preempted`).
-    with stop_signals() if checkpoints else contextlib.nullcontext(StopRequest()) as stop:
+    # SIGTERM (preemption) or Ctrl-C finishes the iteration, saves it (with --checkpoint-dir) and stops (`Preempted`).
+    with jaxtrain.stop_signals() as stop:
         for iteration in range(start, args.iterations):
             begin = time.perf_counter()
-            games = jax.device_get(play(state["params"], jax.random.fold_in(key, iteration)))
+            games = jax.device_get(play(learner.state["params"], jax.random.fold_in(key, iteration)))
             first_actions = games["action"] if first_actions is None else first_actions
-            buffer.add(training_rows(games))
+            learner.buffer.add(training_rows(games))
             middle = time.perf_counter()
-            for step in range(iteration * args.learner_steps, (iteration + 1) * args.learner_steps):
-                state, metrics = run.train_step(state, run.batch("train", step))
-                losses.append(metrics["loss"])
-            loss = float(metrics["loss"])
+            losses += learner.learn()
+            loss = float(losses[-1])
             done = time.perf_counter()
             # This call's first iteration compiles both programs: throughput counts the others.
             acting, learning = (acting + middle - begin, learning + done - middle) if iteration > start else (0.0, 0.0)
             seconds = f"{middle - begin:.1f} s self-play, {done - middle:.1f} s learning"
-            log(f"iteration {iteration + 1}: {len(buffer)} positions, loss {loss:.4f} ({seconds})")
-            if checkpoints and (stop.is_set() or checkpoints.due(iteration + 1, args.iterations)):
-                checkpoints.save(iteration + 1, state, initial, buffer)
+            log(f"iteration {iteration + 1}: {len(learner.buffer)} positions, loss {loss:.4f} ({seconds})")
+            learner.save(stopping=stop.is_set())
             if stop.is_set() and iteration + 1 < args.iterations:
-                checkpoints.wait()
-                raise Preempted((iteration + 1) * args.learner_steps, stop.signum)
-    if checkpoints:
-        checkpoints.wait()  # the last save is on disk before the run reports success
+                learner.wait()
+                raise jaxtrain.Preempted(learner.progress.step, stop.signum)
+    learner.wait()  # the last save is on disk before the run reports success
     timed = max(args.iterations - start - 1, 1)
-    evaluate = jax.jit(functools.partial(match, forward, env, games=args.eval_games, simulations=args.simulations))
-    eval_key = jax.random.fold_in(key, 10**6)
     return {
         "iterations": args.iterations,
         "resumed_from_iteration": start,
         "learner_steps": args.iterations * args.learner_steps,
-        "positions": len(buffer),
+        "positions": len(learner.buffer),
         "final_loss": float(losses[-1]) if losses else None,
         "selfplay_games_per_sec": args.games * timed / acting if acting else float("nan"),
         "learner_steps_per_sec": args.learner_steps * timed / learning if learning else float("nan"),
-        "score_vs_random": float(evaluate(state["params"], None, eval_key).mean()),
-        "score_vs_step0": float(evaluate(state["params"], initial, eval_key).mean()),
+        **_evaluate(args, env, forward, learner, jax.random.fold_in(key, 10**6)),
         "losses": [float(x) for x in losses],
         "first_selfplay_actions": None if first_actions is None else first_actions.tolist(),
+    }
+
+
+def _evaluate(args: argparse.Namespace, env, forward, learner: Learner, key) -> dict[str, float]:
+    """The final network's mean score against uniformly random moves and against its step-0 self."""
+    import jax
+    from alphazero_app.selfplay import match
+
+    evaluate = jax.jit(functools.partial(match, forward, env, games=args.eval_games, simulations=args.simulations))
+    return {
+        "score_vs_random": float(evaluate(learner.state["params"], None, key).mean()),
+        "score_vs_step0": float(evaluate(learner.state["params"], learner.initial, key).mean()),
     }
 
 
@@ -160,10 +230,9 @@ def _actors(args: argparse.Namespace, env, run) -> tuple:
     """The network as a function of its params, and the jitted self-play of one iteration's games: one program plays
     every game, the games split over the learner mesh's batch axes."""
     import jax
+    from alphazero_app.selfplay import self_play
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
-
-    from jaxtrain.rl.selfplay import self_play
 
     graphdef = run.plan.model.graphdef
 
@@ -181,32 +250,24 @@ def _actors(args: argparse.Namespace, env, run) -> tuple:
     return forward, play
 
 
-def _start(run, checkpoints, buffer, seed: int, log) -> tuple:
-    """The train state, the step-0 network's params and the iterations done: from the newest checkpoint (its positions
-    restored into `buffer`), or a new run's."""
-    import jax
-    import jax.numpy as jnp
-
-    resumed = checkpoints.restore_latest(buffer, log) if checkpoints else None
-    if resumed:
-        return resumed.state, resumed.initial_params, resumed.iteration
-    state = run.plan.init_state(run.optimizer, seed)
-    return state, jax.tree.map(jnp.copy, state["params"]), 0  # a copy: the train step donates the state's buffers
-
-
-@command
 def main(argv: list[str]) -> int:
+    """The command: exit 0 with the report printed; 2 for bad input (one line, unless --debug); 128 + the signal's
+    number when stopped by SIGTERM or Ctrl-C."""
     args = parse(argv)
-    if args.simulated_devices:
-        use_simulated_devices(args.simulated_devices)
-    enable_compilation_cache()
-    from jaxtrain.training.recovery import Preempted
-
     try:
+        if args.simulated_devices:
+            jaxtrain.use_simulated_devices(args.simulated_devices)
+        jaxtrain.enable_compilation_cache()
         report = train_alphazero(args, log=lambda m: print(m, file=sys.stderr, flush=True))
-    except Preempted as stop:
-        print(f"{stop} (learner step), checkpoint saved: rerun the same command to resume", file=sys.stderr)
+    except jaxtrain.Preempted as stop:
+        saved = "checkpoint saved: rerun the same command to resume" if args.checkpoint_dir else "nothing saved"
+        print(f"{stop} (learner step), {saved}", file=sys.stderr)
         return stop.exit_status
+    except jaxtrain.UserInputError as err:
+        if args.debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(report, indent=1))
     return 0
 

@@ -11,12 +11,14 @@ cuDNN's fused attention is in the compiled program. Results are written after ev
 its time limit still leaves what it measured.
 
 It runs from a checkout without installing jaxtrain (the GPU machine has JAX but may not reach a package index):
-the checkout is put on sys.path and the built-in models are imported to register them.
+the checkout is put on sys.path and its models/ folder is imported, as `jaxtrain_models`, to register the built-in
+models.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -33,6 +35,19 @@ VARIANTS = {
     "b16-s2048-full": ["batch_size=16", "seq_len=2048", "remat=full"],
     "b4-s8192": ["batch_size=4", "seq_len=8192", "remat=save_dots"],
 }
+
+
+def register_builtin_models() -> None:
+    """Imports the built-in models, which registers them: installed, `jaxtrain_models`; else this checkout's models/
+    under that name (the entry point that would find them is declared by an installed jaxtrain only)."""
+    if importlib.util.find_spec("jaxtrain_models") is None:
+        folder = ROOT / "models"
+        spec = importlib.util.spec_from_file_location(
+            "jaxtrain_models", folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        sys.modules["jaxtrain_models"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["jaxtrain_models"])
+    import jaxtrain_models  # noqa: F401
 
 
 def measure(name: str, overrides: list[str], steps: int, model: str, attention: str) -> dict:
@@ -86,7 +101,7 @@ def main() -> None:
 
     import jax
 
-    import models  # noqa: F401  (registers the built-in models without an installed entry point)
+    register_builtin_models()
 
     out = Path(args.out) / "gpu_check.json"
     report = {"jax": jax.__version__, "devices": [d.device_kind for d in jax.devices()], "results": []}

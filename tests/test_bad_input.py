@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import jaxtrain.training.checkpoint
-import jaxtrain.training.plan
+import jaxtrain.placement.plan
 from jaxtrain.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,7 +147,7 @@ def no_compiling(monkeypatch) -> list:
         compiled.append(args)
         raise AssertionError("a step was compiled")
 
-    monkeypatch.setattr(jaxtrain.training.plan.Plan, "compile", refuse)
+    monkeypatch.setattr(jaxtrain.placement.plan.Plan, "compile", refuse)
     return compiled
 
 

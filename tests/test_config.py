@@ -15,7 +15,7 @@ from jaxtrain.run_config import (
     describe_config,
 )
 from jaxtrain.settings import accepts_of, describe_field
-from models.gpt import GPTConfig
+from jaxtrain_models.gpt import GPTConfig
 
 
 def test_short_and_dotted_keys():

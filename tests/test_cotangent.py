@@ -1,6 +1,6 @@
 """`jaxtrain.ops.cotangent.unfused_cotangent`: the same gradients, and in XLA:CPU's compiled program the activation's
 backward no longer computed inside the loop that writes it transposed (the slow fusion of
-`scripts/xla_cpu_transposed_fusion.py`); bfloat16 and other backends' programs left as they were."""
+`benchmarks/xla_cpu_transposed_fusion.py`); bfloat16 and other backends' programs left as they were."""
 
 import sys
 from pathlib import Path
@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxtrain.ops.cotangent import unfused_cotangent
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from xla_cpu_transposed_fusion import transposed_fusions  # noqa: E402
 
 BATCH, SEQ, D_MODEL, D_FF = 12, 64, 128, 512

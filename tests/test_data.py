@@ -8,7 +8,7 @@ from helpers import make_run
 
 from jaxtrain.data.datasets import DataError, Digits, SyntheticTokens, builtin_text, global_batch, make_dataset
 from jaxtrain.sharding.rules import ShardingRuleError
-from jaxtrain.training.model import PlanError
+from jaxtrain.placement.model import PlanError
 
 
 def test_builtin_text_is_real_and_deterministic():

@@ -20,7 +20,7 @@ from orbax.checkpoint._src.path import async_path
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.checkpoint import CheckpointWriteError, restore
 from jaxtrain.training.loop import train
-from jaxtrain.training.model import ModelParts
+from jaxtrain.placement.model import ModelParts
 from jaxtrain.training.recovery import Diverged
 from jaxtrain.training.run_lock import LOCK_NAME
 from jaxtrain.training.setup import Setup, build

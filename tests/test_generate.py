@@ -122,7 +122,7 @@ def model_and_params():
 
 def generator(run, params, mesh: str, devices: int) -> Generator:
     mesh = build_mesh(parse_layout(mesh), jax.devices()[:devices])
-    return Generator(generation_plan(mesh, run.plan.rules, run.plan.model), params, run.cfg)
+    return Generator(generation_plan(run.placed.on_mesh(mesh)), params, run.cfg)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_no_text_prompts_for_synthetic_tokens_and_no_pipeline_meshes(model_and_p
     run = model_and_params[0]
     mesh = build_mesh(parse_layout("pipeline=2"), jax.devices()[:2])
     with pytest.raises(GenerationError, match="the mesh has pipeline=2. Give a --mesh without a pipeline axis"):
-        generation_plan(mesh, run.plan.rules, run.plan.model)
+        generation_plan(run.placed.on_mesh(mesh))
 
 
 # From a checkpoint, and the command -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from helpers import make_run
 from jaxtrain.analysis.hlo import collectives, summarize
 from jaxtrain.analysis.memory import total_bytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from xla_cpu_fsdp_collectives import collectives as reproduction  # noqa: E402
 
 REDUCTIONS = ("all-reduce", "reduce-scatter", "all-to-all")
@@ -114,7 +114,7 @@ def test_no_involuntary_rematerialization(mesh, overrides, warns, capfd, fresh_c
 
 
 def test_xla_cpu_moves_fsdp_weights_in_float32_whatever_the_program_asks():
-    """scripts/xla_cpu_fsdp_collectives.py's reproduction, CPU side: a bfloat16 program's FSDP gathers and gradient
+    """benchmarks/xla_cpu_fsdp_collectives.py's reproduction, CPU side: a bfloat16 program's FSDP gathers and gradient
     sums run in float32 on XLA:CPU (MaxText's too). When this fails XLA has fixed it: the CPU benchmarks' notes on
     float32 collectives (docs/benchmarks.md) are then out of date."""
     shape = argparse.Namespace(layers=1, d_model=64, d_ff=128, tokens=64)

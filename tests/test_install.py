@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,12 @@ BUILD_LEFTOVERS = ("build", "dist", "*.egg-info")  # what building in place woul
 # The process the console script starts: where its modules come from, whether the editable finder ran.
 PROBE = """
 import json, sys
-import jaxtrain, jaxtrain.cli, jaxtrain.training.loop, models
+import importlib.util, jaxtrain, jaxtrain.cli, jaxtrain.training.loop, jaxtrain_models
 from jaxtrain.sharding.mesh import MESHES_DIR, available_layouts
 files = [m.__file__ for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
 print(json.dumps({"jaxtrain": jaxtrain.__file__, "meshes": str(MESHES_DIR), "layouts": available_layouts(),
-                  "files": files, "path": sys.path, "editable_finder": any("editable" in m for m in sys.modules)}))
+                  "files": files, "path": sys.path, "editable_finder": any("editable" in m for m in sys.modules),
+                  "models": jaxtrain_models.__file__, "bare_models": importlib.util.find_spec("models") is not None}))
 """
 
 
@@ -88,7 +90,8 @@ def leftovers() -> set[Path]:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """(the fresh venv's bin directory, a working directory outside the checkout, the environment to run in)."""
+    """(the fresh venv's bin directory, a working directory outside the checkout, the environment to run in, the
+    wheel)."""
     if not (ROOT / ".git").exists():
         pytest.skip(f"{ROOT} is not a git checkout: the wheel is built from the files git tracks")
     before = leftovers()
@@ -102,14 +105,29 @@ def installed(tmp_path_factory):
     elsewhere = work / "elsewhere"
     elsewhere.mkdir()
     assert leftovers() == before, f"building left {sorted(leftovers() - before)} in the checkout"
-    return bin_dir, elsewhere, env
+    return bin_dir, elsewhere, env, wheel
+
+
+def test_the_wheel_ships_the_models_under_a_name_of_its_own(installed):
+    """models/ installs as `jaxtrain_models`, which the entry point names: no top-level `models` (or any other
+    package of the checkout's top level) to clash with another project's."""
+    *_, wheel = installed
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        declared = archive.read(entry_points).decode()
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"jaxtrain", "jaxtrain_models"}, sorted(top_level)
+    assert {"jaxtrain_models/__init__.py", "jaxtrain_models/gpt.py"} <= set(names)
+    assert "builtin = jaxtrain_models" in declared, declared
 
 
 def test_the_installed_copy_runs_not_the_checkout(installed):
-    bin_dir, elsewhere, env = installed
+    bin_dir, elsewhere, env, _ = installed
     probe = json.loads(run([str(bin_dir / "python"), "-c", PROBE], elsewhere, env).splitlines()[-1])
     site = bin_dir.parent / "lib"
     assert Path(probe["jaxtrain"]).is_relative_to(site), probe["jaxtrain"]
+    assert Path(probe["models"]).is_relative_to(site) and not probe["bare_models"], probe["models"]
     assert not probe["editable_finder"], "the dev venv's editable install of jaxtrain ran in the fresh venv"
     # The dependencies come from the dev venv, which CI creates inside the checkout: only files outside it count.
     dev_venv = Path(sys.prefix).resolve()
@@ -126,7 +144,7 @@ def test_the_installed_copy_runs_not_the_checkout(installed):
 
 
 def test_installed_jaxtrain_trains_and_plans(installed):
-    bin_dir, elsewhere, env = installed
+    bin_dir, elsewhere, env, _ = installed
     jaxtrain = str(bin_dir / "jaxtrain")
     trained = run(
         [
@@ -171,7 +189,7 @@ def test_installed_jaxtrain_trains_and_plans(installed):
 )
 def test_installed_jaxtrain_compiles_for_hardware_it_lacks(installed, target, mesh, model, describes):
     aot_target(target)  # skips without the extra, except under CI
-    bin_dir, elsewhere, env = installed
+    bin_dir, elsewhere, env, _ = installed
     argv = [str(bin_dir / "jaxtrain"), "plan", "--aot-topology", target, "--mesh", mesh, "--batch-size", "8", *model]
     planned = run(argv, elsewhere, env)
     assert f"check: compiled the train step for {describes} in " in planned

@@ -52,7 +52,7 @@ def test_mlp_reaches_95_percent_on_digits_data_parallel():
     )
     summary = train(cfg, log=lambda *_: None)
     from jaxtrain.data.datasets import Digits
-    from models.mlp import MLP
+    from jaxtrain_models.mlp import MLP
 
     features, labels = Digits(digits, seed=0).splits["val"]  # the whole held-out split, 359 images
     with nnx.use_eager_sharding(False):

@@ -14,8 +14,8 @@ from helpers import assert_curves_close, assert_gradients_close, cached_run, cur
 
 from jaxtrain.parallel.pipeline import PipelineError
 from jaxtrain.run_config import ConfigError, apply_overrides, default_config
-from models.gpt import GPT, GPTConfig, rope_frequencies, segment_positions
-from models.llama import PRESETS
+from jaxtrain_models.gpt import GPT, GPTConfig, rope_frequencies, segment_positions
+from jaxtrain_models.llama import PRESETS
 
 # Llama 3.2 1B and Llama 3.1 8B, as their model cards count them.
 PUBLISHED_PARAMS = {"1b": 1_235_814_400, "8b": 8_030_261_248}

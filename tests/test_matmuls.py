@@ -1,4 +1,4 @@
-"""jaxtrain.analysis.matmuls reads the matmuls a compiled program runs, and scripts/matmul_floor.py's program of
+"""jaxtrain.analysis.matmuls reads the matmuls a compiled program runs, and benchmarks/matmul_floor.py's program of
 those matmuls alone runs exactly them: counted against the FLOPs worked out by hand, not against our own parser."""
 
 import sys
@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.analysis.matmuls import Matmul, matmuls
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from matmul_floor import floor_program  # noqa: E402
 
 LAYERS, TOKENS, D_MODEL, D_FF = 3, 64, 32, 128

@@ -13,7 +13,7 @@ from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.parallel.pipeline import PipelineError
 from jaxtrain.run_config import ConfigError, apply_overrides, default_config
 from jaxtrain.training.loop import train
-from models.moe import route
+from jaxtrain_models.moe import route
 
 MESHES = ["data=2,expert=4", "data=2,expert=2,tensor=2"]
 NO_DROPS = ["capacity_factor=4"]  # n_experts / top_k = 8 / 2: every expert can take every token of a group

@@ -1,7 +1,7 @@
 """The planner held to the TPU and GPU compilers: each model x layout pair is compiled for a TPU v5p topology or an
 8-GPU node (compile-only devices, `aot_target`) and its estimate for that chip must agree with the compiler's own
 figures: arguments within 5%, the peak within 20%, the bytes each device sends per set of mesh axes within 25%.
-scripts/planner_vs_compiler.py prints the same figures as JSON."""
+benchmarks/planner_vs_compiler.py prints the same figures as JSON."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from jaxtrain.ops.projection import project
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.setup import setup
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from xla_cpu_transposed_fusion import transposed_fusions  # noqa: E402
 from xla_cpu_weight_gradient import major_contracting_dots  # noqa: E402
 
@@ -94,7 +94,7 @@ def test_cpu_runs_no_weight_gradient_dot_in_the_slow_form():
         for name, product in (("einsum", einsum), ("project", project))
     }
     # Autodiff's two weight gradients are transposed-left dots; ours none. If XLA:CPU stops making the first,
-    # `project`'s custom gradient may no longer be worth its code: measure with scripts/xla_cpu_weight_gradient.py.
+    # `project`'s custom gradient may no longer be worth its code: measure with benchmarks/xla_cpu_weight_gradient.py.
     assert counts == {"einsum": 2, "project": 0}, counts
 
 

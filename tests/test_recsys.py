@@ -14,7 +14,7 @@ from jaxtrain.data.clicks import Clicks, batches, logistic_baseline
 from jaxtrain.errors import UserInputError
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.loop import train
-from models.recsys import DLRM, RecsysConfig
+from jaxtrain_models.recsys import DLRM, RecsysConfig
 
 MESHES = ["data=2,tensor=4", "data=2,fsdp=2,tensor=2"]
 # Tables of 8 x 512 rows x 16: a shard over 8 devices (8K floats) outsizes every activation in a step of 32 examples.

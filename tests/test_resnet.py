@@ -14,7 +14,7 @@ from jaxtrain.analysis.comm_report import axes_of_group
 from jaxtrain.analysis.hlo import collectives
 from jaxtrain.run_config import ConfigError, apply_overrides, default_config
 from jaxtrain.training.loop import train
-from models.resnet import PRESETS, ImageShapeError, ResNet
+from jaxtrain_models.resnet import PRESETS, ImageShapeError, ResNet
 
 HYBRID = "data=4,tensor=2"
 

@@ -1,7 +1,9 @@
-"""AlphaZero-style reinforcement learning (`jaxtrain.rl`, `scripts/alphazero.py`): the replay buffer and the value
+"""AlphaZero-style reinforcement learning, an application beside the library (`scripts/alphazero.py` and
+`scripts/alphazero_app/`, on jaxtrain's public API): a library that knows nothing of it, the replay buffer and the value
 targets without the game, the checks that keep a resume to its own run, then (slow) self-play and learning on 1 and 4
 devices, a run resumed from its checkpoint on either, and a network that learns to win."""
 
+import ast
 import os
 import shutil
 import signal
@@ -11,16 +13,51 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxtrain.rl.checkpoint import check_same_run
-from jaxtrain.rl.replay import ReplayBuffer
+import jaxtrain
+from jaxtrain.registry import TASKS
 from jaxtrain.training import run_identity
 from jaxtrain.training.checkpoint import Checkpoints
 from jaxtrain.training.run_identity import RunIdentityError
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
 from alphazero import parse, run_config, selfplay_settings  # noqa: E402
+from alphazero_app.replay import ReplayBuffer  # noqa: E402
 
 SMALL = ["--games", "8", "--simulations", "4", "--learner-steps", "3", "--batch-size", "16", "--eval-games", "4"]
+
+
+APPLICATION_NAMES = ("selfplay", "alphazero")
+
+
+def code_strings(path: Path) -> list[str]:
+    """The string constants of `path`'s code, its docstrings aside (they may name an application as an example)."""
+    tree = ast.parse(path.read_text())
+    kinds = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+    scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, kinds))]
+    docstrings = {id(scope.body[0].value) for scope in scopes if ast.get_docstring(scope) is not None}
+    return [
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        and id(n) not in docstrings
+    ]  # fmt: skip
+
+
+def test_the_library_knows_no_application():
+    """No library module imports the games or the search (pgx, mctx) or names an application in its code, and every
+    task the registry knows is a kind of data the library makes, or `custom`: data the run brings."""
+    from jaxtrain.data.datasets import make_dataset
+
+    for path in sorted((ROOT / "jaxtrain").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {name.split(".")[0] for name in imported} & {"pgx", "mctx"}, f"{path} imports {imported}"
+        named = [text for text in code_strings(path) if any(app in text.lower() for app in APPLICATION_NAMES)]
+        assert not named, f"{path} names an application: {named}"
+    for task in set(TASKS) - {"custom"}:
+        assert make_dataset("synthetic", task, seq_len=8, seed=0).task == task
+    with pytest.raises(jaxtrain.UserInputError, match="task is 'custom'.*dataset=..."):
+        make_dataset("synthetic", "custom", seq_len=8, seed=0)
 
 
 def positions(n: int, start: int = 0) -> dict[str, np.ndarray]:
@@ -69,41 +106,53 @@ def test_checkpoint_flags_are_checked(capsys):
     assert parse(["--checkpoint-dir", "runs/az"]).checkpoint_every == 5
 
 
-def stored_meta(flags: list[str]) -> dict:
-    """The meta of a checkpoint that the run of `flags` wrote (what a resume compares)."""
+def saved_run(directory: Path, flags: list[str], settings: bool = True) -> Path:
+    """A checkpoint in `directory` as the run of `flags` writes one after 4 iterations of 3 learner steps: its meta
+    (`jaxtrain.save_checkpoint`'s: the run config, the self-play settings) and a stand-in array. Returns its step."""
     args = parse(flags)
-    return {"config": run_identity.config_json(run_config(args)), "selfplay": selfplay_settings(args)}
+    meta = {"step": 12, "config": run_identity.config_json(run_config(args))}
+    meta |= {"settings": selfplay_settings(args)} if settings else {}
+    with Checkpoints(directory, 1, async_save=False) as checkpoints:
+        checkpoints.save(12, {"params": np.zeros(3, np.float32)}, meta)
+    return directory / "12"
+
+
+def refusal(flags: list[str]) -> str:
+    """The message `jaxtrain.check_resume` refuses the run of `flags` with."""
+    args = parse(flags)
+    with pytest.raises(RunIdentityError) as refused:
+        jaxtrain.check_resume(run_config(args), selfplay_settings(args))
+    return str(refused.value)
 
 
 def test_a_resume_must_be_the_same_run_unless_a_change_is_allowed(tmp_path):
-    step_dir = tmp_path / "ckpt" / "12"
-    meta = stored_meta([*SMALL, "--iterations", "4", "--model", "alphazero-tiny"])
-    now = parse(["--games", "16", "--iterations", "4"])
-    with pytest.raises(RunIdentityError) as refused:
-        check_same_run(step_dir, meta, run_config(now), selfplay_settings(now))
-    message = str(refused.value)
-    assert f"cannot resume in {step_dir.parent}: its newest checkpoint, {step_dir}, was written by another" in message
-    assert '--model (model_name): "alphazero-tiny" in the checkpoint, "alphazero-connect4" now' in message
-    assert "--model (model.hidden): 32 in the checkpoint, 128 now" in message
-    assert "--games: 8 in the checkpoint, 16 now" in message
+    directory = tmp_path / "ckpt"
+    step_dir = saved_run(directory, [*SMALL, "--iterations", "4", "--model", "alphazero-tiny"])
+    here = ["--checkpoint-dir", str(directory)]
+    message = refusal(["--games", "16", "--iterations", "4", *here])
+    assert f"cannot resume in {directory}: its newest checkpoint, {step_dir}, was written by a run with" in message
+    assert 'model_name: "alphazero-tiny" in the checkpoint, "alphazero-connect4" now' in message
+    assert "model.hidden: 32 in the checkpoint, 128 now" in message
     assert "give another --checkpoint-dir" in message
+    message = refusal([*SMALL, "--games", "16", "--iterations", "4", "--model", "alphazero-tiny", *here])
+    assert "was written by a run with other settings:\n  games: 8 in the checkpoint, 16 now" in message
+    assert "give another checkpoint directory" in message
 
-    # Extending a run changes its learning-rate schedule (train.steps): refused unless allowed, then returned.
-    meta = stored_meta([*SMALL, "--iterations", "4"])
-    longer = [*SMALL, "--iterations", "6"]
-    with pytest.raises(RunIdentityError, match=r"--iterations x --learner-steps \(train.steps\): 12 in the checkpoint, "
-                       r"18 now(.|\n)*allow_config_change=train.steps"):  # fmt: skip
-        check_same_run(step_dir, meta, run_config(parse(longer)), selfplay_settings(parse(longer)))
-    allowed = parse([*longer, "allow_config_change=steps"])
-    assert check_same_run(step_dir, meta, run_config(allowed), selfplay_settings(allowed)) == {"train.steps": (12, 18)}
+    # Extending a run changes its learning-rate schedule (train.steps): refused unless allowed.
+    longer = [*SMALL, "--iterations", "6", "--model", "alphazero-tiny", *here]
+    assert "train.steps: 12 in the checkpoint, 18 now" in refusal(longer)
+    assert "--allow-config-change train.steps" in refusal(longer)
+    allowed = parse([*longer, "--allow-config-change", "steps"])
+    assert jaxtrain.check_resume(run_config(allowed), selfplay_settings(allowed))  # the stored run's name
 
-    not_selfplay = {"config": meta["config"]}  # e.g. a `jaxtrain train` run's
-    with pytest.raises(RunIdentityError, match="not written by scripts/alphazero.py .*give another --checkpoint-dir"):
-        check_same_run(step_dir, not_selfplay, run_config(allowed), selfplay_settings(allowed))
+    other = tmp_path / "other"  # e.g. a checkpoint of the same config without the self-play settings
+    saved_run(other, [*SMALL, "--iterations", "4"], settings=False)
+    message = refusal([*SMALL, "--iterations", "4", "--checkpoint-dir", str(other)])
+    assert "other settings:\n  games: null in the checkpoint, 8 now" in message
 
 
 def test_value_targets_are_the_outcome_for_the_player_who_moved():
-    from jaxtrain.rl.selfplay import training_rows
+    from alphazero_app.selfplay import training_rows
 
     games = {  # 3 moves of 2 games; game 0 won by player 1 after its 2 moves, game 1 drawn after 3
         "observation": np.zeros((3, 2, 6, 7, 2)),
@@ -123,13 +172,11 @@ def test_another_runs_checkpoints_are_refused_before_anything_compiles(tmp_path,
     from alphazero import train_alphazero
 
     directory = tmp_path / "ckpt"
-    meta = {"step": 12, "iteration": 4, **stored_meta([*SMALL, "--iterations", "4", "--model", "alphazero-tiny"])}
-    with Checkpoints(directory, 1, async_save=False) as checkpoints:
-        checkpoints.save(12, {"params": np.zeros(3, np.float32)}, meta)
+    saved_run(directory, [*SMALL, "--iterations", "4", "--model", "alphazero-tiny"])
     before = sorted(p.name for p in directory.iterdir())
-    monkeypatch.setattr("jaxtrain.training.setup.build", lambda *_, **__: pytest.fail("built the run"))
+    monkeypatch.setattr(jaxtrain, "build", lambda *_, **__: pytest.fail("built the run"))
     args = parse([*SMALL, "--iterations", "4", "--checkpoint-dir", str(directory)])
-    with pytest.raises(RunIdentityError, match='--model \\(model_name\\): "alphazero-tiny" in the checkpoint'):
+    with pytest.raises(RunIdentityError, match='model_name: "alphazero-tiny" in the checkpoint'):
         train_alphazero(args, log=lambda *_: None)
     assert sorted(p.name for p in directory.iterdir()) == before
 
@@ -209,8 +256,6 @@ def test_a_signal_saves_the_iteration_and_a_rerun_resumes_it(uninterrupted, tmp_
     after it and takes the uninterrupted run's losses."""
     from alphazero import train_alphazero
 
-    from jaxtrain.training.recovery import Preempted
-
     _, straight = uninterrupted
     directory = tmp_path / "ckpt"
     flags = [*SMALL, *CHECKPOINTED, "--checkpoint-every", "4", "--checkpoint-dir", str(directory), "--mesh", "data=4"]
@@ -219,7 +264,7 @@ def test_a_signal_saves_the_iteration_and_a_rerun_resumes_it(uninterrupted, tmp_
         if message.startswith("iteration 1:"):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with pytest.raises(Preempted) as stopped:
+    with pytest.raises(jaxtrain.Preempted) as stopped:
         train_alphazero(parse([*flags, "--devices", "4"]), log=preempt_during_the_first_iteration)
     assert (stopped.value.step, stopped.value.exit_status) == (3, 143)
     assert sorted(p.name for p in directory.iterdir() if p.name.isdigit()) == ["3"]

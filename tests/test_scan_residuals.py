@@ -1,4 +1,4 @@
-"""scripts/xla_cpu_scan_residuals.py's reproduction, compiled only: XLA:CPU zero-fills a scanned layer stack's
+"""benchmarks/xla_cpu_scan_residuals.py's reproduction, compiled only: XLA:CPU zero-fills a scanned layer stack's
 residual stacks before the loop writes them, and the same layers unrolled have none. When this fails, JAX or XLA has
 changed it: the notes on the layer scan's saved activations in docs/benchmarks.md are then out of date."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from xla_cpu_common import mlp_inputs  # noqa: E402
 from xla_cpu_scan_residuals import gradient, zero_filled_stacks  # noqa: E402
 

@@ -6,7 +6,7 @@ import pytest
 from helpers import gradients, make_run
 
 from jaxtrain.sharding.rules import ShardingRuleError
-from jaxtrain.training.model import PlanError
+from jaxtrain.placement.model import PlanError
 
 
 @pytest.mark.parametrize(

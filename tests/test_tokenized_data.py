@@ -306,8 +306,8 @@ def test_two_processes_train_on_the_batches_one_process_does(corpus, tmp_path):
 @pytest.mark.slow  # two 300-step trainings: ~2 min
 def test_a_bpe_beats_bytes_per_byte_at_the_same_size_and_steps(tmp_path):
     """tinyshakespeare as a 2,048-token BPE against bytes, the same tiny Llama and step budget: lower validation
-    loss in nats per byte on the same held-out text (scripts/bpe_vs_bytes.py draws the curves)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    loss in nats per byte on the same held-out text (benchmarks/bpe_vs_bytes.py draws the curves)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from bpe_vs_bytes import compare
 
     report = compare(shared_file("tinyshakespeare.txt"), tmp_path, steps=300)

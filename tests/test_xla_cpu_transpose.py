@@ -1,4 +1,4 @@
-"""scripts/xla_cpu_transpose.py's reproduction, compiled only: its tiled transpose is `x.T`, and XLA:CPU compiles it
+"""benchmarks/xla_cpu_transpose.py's reproduction, compiled only: its tiled transpose is `x.T`, and XLA:CPU compiles it
 to two loops (a copy and a 4-D transpose) where it compiles `x.T` to one. When the second check fails, XLA folds the
 tiled form back into the plain transpose, and the script then times the same program twice."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from jaxtrain.analysis.hlo import parse_module
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from xla_cpu_transpose import tiled_transpose  # noqa: E402
 
 

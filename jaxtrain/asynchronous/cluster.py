@@ -21,8 +21,10 @@ from jaxtrain.asynchronous.server import ServerShard
 from jaxtrain.asynchronous.worker import Worker
 from jaxtrain.run_config import EngineConfig, RunConfig
 
-# Where `jaxtrain` (and, in a checkout, `models`) is imported from: a Ray process started by this job imports the
-# same code, installed or not.
+# Where `jaxtrain` is imported from: a Ray process started by this job imports the same code, installed or not. The
+# built-in models reach it as they reach this process, through the `jaxtrain.models` entry point: `jaxtrain_models`
+# sits beside `jaxtrain` in site-packages, or an editable install's import finder maps it to the checkout's models/
+# (the name is not the folder's, so this path alone would not find it).
 SOURCE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
 
 

@@ -437,10 +437,11 @@ def make_dataset(
     `Digits`. `tokens` says where tokenized data is and how to read it (`source` tokens, or tokens:DIR).
     """
     check_partition(partition, replicas)
-    if task == "selfplay":
+    if task == "custom":
         raise DataError(
-            f"data source '{source}': a selfplay model (alphazero) trains on positions of its own games, which the "
-            "run brings as its dataset: run scripts/alphazero.py (docs/rl.md)."
+            f"data source '{source}': this model's task is 'custom', data that no source makes: pass the run its "
+            "dataset, jaxtrain.build(cfg, dataset=...) or jaxtrain.train(cfg, dataset=...), or use the application "
+            "that brings it."
         )
     tokens = tokens or TokenOptions()
     token_dirs = token_sources(source, tokens.path, tokens.mixture)

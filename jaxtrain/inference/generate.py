@@ -1,6 +1,6 @@
 """Text generation from a trained language model, with a KV cache laid out by the training sharding rules.
 
-A `Generator` holds a model's params on a mesh, placed as training places them (`jaxtrain.training.plan`), and one
+A `Generator` holds a model's params on a mesh, placed as training places them (`jaxtrain.placement.plan`), and one
 compiled program per batch shape: the whole right-padded prompt batch is prefilled in one `model.extend` call, then a
 `lax.while_loop` adds one token per step until every row has met `eos_id` or `max_new_tokens` are written. The KV
 cache is sharded by the activation rules through the model's `cache_names()` (batch over the data axes, kv heads
@@ -19,7 +19,6 @@ The model must follow the decoder protocol (`models/gpt.py`): `init_cache(batch,
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,7 +27,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -36,15 +34,14 @@ from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtrain.data.tokens import token_sources, tokenizer_of
 from jaxtrain.errors import UserInputError
 from jaxtrain.inference.sampling import Sampling, sample
-from jaxtrain.registry import resolve_model
+from jaxtrain.placement.place import PlacedModel, place_model
+from jaxtrain.placement.plan import Plan
 from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.constraints import activation_sharding
 from jaxtrain.sharding.mesh import MeshLayout, build_mesh, parse_layout
-from jaxtrain.sharding.rules import ShardingRules, logical_to_spec
+from jaxtrain.sharding.rules import logical_to_spec
 from jaxtrain.training.checkpoint import carried_files, find_checkpoint, restore_params, trained_config
 from jaxtrain.training.distributed import to_host
-from jaxtrain.training.model import ModelParts, split_model
-from jaxtrain.training.plan import Plan, make_plan
 
 PyTree = Any
 NO_EOS = -1  # the eos id the program is given when there is none: no token equals it
@@ -95,14 +92,15 @@ def tokenizer_for(cfg: RunConfig, carried: Path | None = None) -> ByteTokenizer 
     return ByteTokenizer()
 
 
-def generation_plan(mesh: Mesh, rules: ShardingRules, model: ModelParts) -> Plan:
-    """The params' shardings on `mesh` as training lays them out; generation keeps no optimizer state."""
-    if mesh.shape["pipeline"] > 1:
+def generation_plan(placed: PlacedModel) -> Plan:
+    """The params' shardings on the placed model's mesh as training lays them out; generation keeps no optimizer
+    state."""
+    if placed.mesh.shape["pipeline"] > 1:
         raise GenerationError(
             f"generation runs each token through every layer, without a pipeline: the mesh has pipeline="
-            f"{mesh.shape['pipeline']}. Give a --mesh without a pipeline axis (e.g. data=2,tensor=2)."
+            f"{placed.mesh.shape['pipeline']}. Give a --mesh without a pipeline axis (e.g. data=2,tensor=2)."
         )
-    return make_plan(mesh, rules, model, optax.identity())
+    return placed.plan()
 
 
 class Generator:
@@ -143,18 +141,14 @@ class Generator:
         size takes the first that many devices: a few prompts need not occupy a whole host."""
         step_dir, meta = find_checkpoint(path)
         cfg = trained_config(step_dir, meta)
-        spec, _ = resolve_model(cfg.model_name)
-        if spec.task != "lm":
-            raise GenerationError(
-                f"checkpoint {step_dir} holds model {cfg.model_name}, a {spec.task} model: generation needs a "
-                "language model (task lm, e.g. gpt or llama)."
-            )
         layout = parse_layout(mesh if isinstance(mesh, str) else "data=-1")
-        rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
-        mesh = _mesh(mesh, devices)
-        plan = generation_plan(
-            mesh, rules, split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
-        )
+        placed = place_model(cfg.model_name, cfg.model, layout, cfg.rules, mesh=_mesh(mesh, devices))
+        if placed.spec.task != "lm":
+            raise GenerationError(
+                f"checkpoint {step_dir} holds model {cfg.model_name}, a {placed.spec.task} model: generation needs "
+                "a language model (task lm, e.g. gpt or llama)."
+            )
+        plan = generation_plan(placed)
         params, _ = restore_params(step_dir, plan.abstract_state["params"])
         return cls(plan, params, cfg, carried_files(step_dir))
 
@@ -166,7 +160,8 @@ class Generator:
         (as `restore` takes it), with the run's sharding rules."""
         run, state = summary["run"], summary["state"]
         params = run.plan.params_in_model_order(state["params"])
-        plan = generation_plan(_mesh(mesh, devices) if mesh else run.plan.mesh, run.plan.rules, run.plan.model)
+        placed = run.placed if mesh is None else run.placed.on_mesh(_mesh(mesh, devices))
+        plan = generation_plan(placed)
         return cls(plan, params, run.cfg)
 
     @property

@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import tomli_w
 from jax.experimental import multihost_utils
@@ -29,13 +28,10 @@ from jax.experimental import multihost_utils
 from jaxtrain.errors import UserInputError
 from jaxtrain.interop.architectures import Architecture, Tensor, architecture, model_settings
 from jaxtrain.interop.tensor_files import INDEX_FILE, TensorFileError, TensorFiles
-from jaxtrain.registry import resolve_model
+from jaxtrain.placement.place import place_model
+from jaxtrain.placement.plan import Plan
 from jaxtrain.run_config import RunConfig, config_from_table, config_table
-from jaxtrain.sharding.mesh import build_mesh, parse_layout
-from jaxtrain.sharding.rules import ShardingRules
 from jaxtrain.training.checkpoint import CARRIED
-from jaxtrain.training.model import split_model
-from jaxtrain.training.plan import Plan, make_plan
 from jaxtrain.training.run_identity import config_json
 
 PyTree = Any
@@ -140,11 +136,7 @@ def _ignorable(name: str, table: dict[str, Tensor]) -> bool:
 
 def params_plan(cfg: RunConfig, mesh: str, devices: list[jax.Device] | None = None) -> Plan:
     """The params' shardings for decoder `cfg.model` on layout `mesh` (no optimizer state), by its rules."""
-    spec, _ = resolve_model(cfg.model_name)
-    layout = parse_layout(mesh)
-    rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
-    model = split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
-    return make_plan(build_mesh(layout, devices), rules, model, optax.identity())
+    return place_model(cfg.model_name, cfg.model, mesh, cfg.rules, devices=devices).plan()
 
 
 def import_hf(

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.run_config import RunConfig
-from jaxtrain.training.plan import Plan
+from jaxtrain.placement.plan import Plan
 
 
 def context_attention_bytes(cfg: RunConfig, plan: Plan) -> list[Transfer]:

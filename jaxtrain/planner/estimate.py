@@ -32,7 +32,6 @@ How each figure is found (all per device):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -44,7 +43,8 @@ from jaxtrain.analysis.chips import Chip
 from jaxtrain.data.datasets import make_dataset, model_data_args
 from jaxtrain.errors import UserInputError
 from jaxtrain.parallel.pipeline import PipelineError, StageLayout
-from jaxtrain.parallel.updates import UpdatePolicy
+from jaxtrain.placement.place import place_model
+from jaxtrain.placement.plan import Plan
 from jaxtrain.planner.context import context_attention_bytes
 from jaxtrain.planner.stages import (
     Stages,
@@ -61,10 +61,8 @@ from jaxtrain.planner.weights import Runs, gathered_layer_bytes, weight_transfer
 from jaxtrain.registry import resolve_model
 from jaxtrain.run_config import RunConfig, apply_overrides
 from jaxtrain.sharding.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
-from jaxtrain.sharding.rules import ShardingRules
-from jaxtrain.training.model import split_model
 from jaxtrain.training.optim import make_optimizer
-from jaxtrain.training.plan import Plan, make_plan
+from jaxtrain.training.setup import update_policy
 
 # The compilers an estimate can follow: XLA for TPU and for GPU (what the chips run), and XLA:CPU (simulated devices,
 # to check an estimate on this machine: it stores arrays untiled and casts no weights before gathering them).
@@ -248,14 +246,9 @@ def _check_microbatches(shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, 
 def _abstract_plan(cfg: RunConfig, layout: MeshLayout, devices: int, stages: StageLayout | None = None) -> Plan:
     """The run's plan on an abstract mesh of `devices`: the same shardings a real run gets, nothing allocated;
     `stages`: the pipeline's stage layout (how the stacked layers are stored)."""
-    mesh = abstract_mesh(layout, devices)
-    spec, _ = resolve_model(cfg.model_name)
-    rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
-    model = split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
-    optimizer, _ = make_optimizer(cfg.optimizer, cfg.train.steps, model.logical_names)
-    t = cfg.train
-    policy = UpdatePolicy(t.sync, t.sync_every, t.staleness, t.outer_lr, t.outer_momentum)
-    return make_plan(mesh, rules, model, optimizer, stages, policy)
+    placed = place_model(cfg.model_name, cfg.model, layout, cfg.rules, mesh=abstract_mesh(layout, devices))
+    optimizer, _ = make_optimizer(cfg.optimizer, cfg.train.steps, placed.model.logical_names)
+    return placed.plan(optimizer, stages, update_policy(cfg, placed.mesh))
 
 
 def _batch_shapes(cfg: RunConfig, task: str) -> dict[str, jax.ShapeDtypeStruct]:

@@ -37,7 +37,7 @@ from jaxtrain.planner.transfers import Transfer
 from jaxtrain.planner.weights import Runs, exchanged_tables
 from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.rules import is_layer_stack, is_logical_names
-from jaxtrain.training.plan import Plan
+from jaxtrain.placement.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from jaxtrain.planner.weights import params_in_use
 from jaxtrain.sharding.constraints import activation_sharding
 from jaxtrain.sharding.mesh import MESH_AXES
 from jaxtrain.sharding.rules import is_layer_stack, is_logical_names
-from jaxtrain.training.plan import Plan
+from jaxtrain.placement.plan import Plan
 
 # Ops that combine values along a dim: when that dim is split over a mesh axis the result is a partial sum there.
 _COMBINING = {"dot_general", "gather"} | {f"reduce_{op}" for op in ("sum", "max", "min", "prod", "and", "or")}

@@ -3,7 +3,10 @@ it; counting non-finite steps and rolling back after too many in a row; saving w
 resuming (only the run the checkpoint directory holds: `run_identity`), restoring or fine-tuning at the start; and
 stopping cleanly on preemption or Ctrl-C.
 
-`jaxtrain.training.loop.train` calls these at the points of its loop; each is small enough to read on its own.
+`jaxtrain.training.loop.train` calls these at the points of its loop; each is small enough to read on its own. An
+application with a loop of its own (scripts/alphazero.py) calls them too: `check_resume`, `resume` and
+`save_checkpoint` take what it keeps beside the train state, `extras` (named pytrees saved in the same checkpoint, e.g.
+a replay buffer) and `settings` (JSON values outside the run config that define its run, compared on resume).
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.experimental import multihost_utils
@@ -36,7 +40,10 @@ from jaxtrain.training.checkpoint import (
     restore_params,
 )
 from jaxtrain.training.distributed import to_host
+from jaxtrain.training.run_identity import RunIdentityError
 from jaxtrain.training.setup import Setup
+
+PyTree = Any
 
 
 class Preempted(Exception):
@@ -114,17 +121,27 @@ class SkippedSteps:
 
 
 def save_checkpoint(
-    run: Setup, checkpoints: Checkpoints, state: Any, progress: Progress, log: Callable[[str], None]
+    run: Setup,
+    checkpoints: Checkpoints,
+    state: Any,
+    progress: Progress,
+    log: Callable[[str], None],
+    extras: Mapping[str, PyTree] | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> None:
     """Start an asynchronous save. A failed write stops the run (`checkpoint_failure=stop`) or is logged and the
     next save tries again (`continue`); the final save must succeed either way. With several processes a failed write
-    always stops the job: its other processes are waiting for the failed one in Orbax's barriers."""
-    meta = {**progress.meta(), "config": run_identity.config_json(run.cfg)}
+    always stops the job: its other processes are waiting for the failed one in Orbax's barriers.
+
+    An application saves its `extras` (name -> pytree of arrays; names other than the state's) in the same
+    checkpoint, so a kill leaves them in step with the state, and its `settings` in the meta (`resume` reads both)."""
+    meta = {**progress.meta(), "config": run_identity.config_json(run.cfg), **_settings_meta(settings)}
+    tree = {**run.plan.state_in_model_order(state), **(extras or {})}
     final = progress.step == run.cfg.train.steps
     stop = run.cfg.train.checkpoint_failure == "stop" or jax.process_count() > 1
     for _ in range(2):  # a second try when the failure reported was the previous save's
         try:
-            checkpoints.save(progress.step, run.plan.state_in_model_order(state), meta)
+            checkpoints.save(progress.step, tree, meta)
             write_run_config(run.cfg, progress.step)
             return
         except CheckpointWriteError as err:
@@ -194,27 +211,52 @@ def open_checkpoints(cfg: RunConfig) -> Checkpoints | None:
     return Checkpoints(t.checkpoint_dir, t.checkpoint_every, t.checkpoint_keep, t.checkpoint_keep_every)
 
 
-def check_resume(cfg: RunConfig) -> str:
+def check_resume(cfg: RunConfig, settings: Mapping[str, Any] | None = None) -> str:
     """The name of the run `cfg` continues in `train.checkpoint_dir`, or starts. Raises `RunIdentityError` if the
-    newest checkpoint's config makes it another run, and `ConfigError` for an unknown key in
-    `train.allow_config_change`: cheap (only JSON is read), so before anything compiles. `initial_state` checks each
-    checkpoint it tries again."""
+    newest checkpoint's config (or an application's `settings`, see `save_checkpoint`) makes it another run, and
+    `ConfigError` for an unknown key in `train.allow_config_change`: cheap (only JSON is read), so before anything
+    compiles. `initial_state` and `resume` check each checkpoint they try again."""
     run_identity.allowed_changes(cfg)
     newest = newest_meta(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
     if newest is None:
         return run_identity.fingerprint(run_identity.config_json(cfg))
-    run_identity.check(*newest, cfg)
+    _check_run(*newest, cfg, settings)
     return Progress.from_meta(newest[1]).run
+
+
+def _check_run(
+    step_dir: Path, meta: dict[str, Any], cfg: RunConfig, settings: Mapping[str, Any] | None
+) -> dict[str, tuple[Any, Any]]:
+    """`run_identity.check`, then the application's `settings` against those the checkpoint stores: none may differ
+    (they are not run config keys, so `train.allow_config_change` cannot name them). Returns the allowed changes."""
+    changed = run_identity.check(step_dir, meta, cfg)
+    stored, now = meta.get("settings", {}), _settings_meta(settings).get("settings", {})
+    differ = [name for name in {**stored, **now} if stored.get(name) != now.get(name)]
+    if differ:
+        lines = "".join(
+            f"\n  {name}: {json.dumps(stored.get(name))} in the checkpoint, {json.dumps(now.get(name))} now"
+            for name in differ
+        )
+        raise RunIdentityError(
+            f"cannot resume in {step_dir.parent}: its newest checkpoint, {step_dir}, was written by a run with other "
+            f"settings:{lines}\nNothing was written. To continue that run, use its values; to start this one, give "
+            "another checkpoint directory."
+        )
+    return changed
+
+
+def _settings_meta(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`settings` as a checkpoint's meta holds them (as JSON reads back: tuples become lists); none: nothing."""
+    return {"settings": json.loads(json.dumps(dict(settings)))} if settings else {}
 
 
 def initial_state(run: Setup, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> tuple[Any, Progress]:
     """The newest checkpoint in the run's directory, else `train.restore`, else a fresh init; and where it stands
     (a new run, also one restored from another's checkpoint, has the fingerprint of its own config for a name)."""
     plan, cfg = run.plan, run.cfg
-    found, changed = _restore_latest(run, checkpoints) if checkpoints else (None, {})
-    if found is not None:
-        state, meta = found
-        return plan.state_from_model_order(state), _resumed(cfg, Progress.from_meta(meta), changed, log)
+    resumed = resume(run, checkpoints, log) if checkpoints else None
+    if resumed is not None:
+        return resumed.state, resumed.progress
     new_run = run_identity.fingerprint(run_identity.config_json(cfg))
     if cfg.train.restore and is_params_export(cfg.train.restore):
         return _fine_tune(run, checkpoints, log), Progress(run=new_run)
@@ -224,18 +266,52 @@ def initial_state(run: Setup, checkpoints: Checkpoints | None, log: Callable[[st
     return plan.init_state(run.optimizer, cfg.train.seed), Progress(run=new_run)
 
 
-def _restore_latest(run: Setup, checkpoints: Checkpoints) -> tuple[tuple[Any, dict] | None, dict[str, tuple]]:
-    """`Checkpoints.restore_latest` for this run: each candidate's config is checked (`run_identity.check`), and a
-    checkpoint whose arrays do not fit the model stops the run too. Also returns the changes allowed in the one
-    restored."""
+class Resumed(NamedTuple):
+    """A run as its newest checkpoint left it: the train state in the plan's shardings, where it stands, and the
+    application's extras (`save_checkpoint`)."""
+
+    state: Any
+    progress: Progress
+    extras: dict[str, PyTree]
+
+
+def resume(
+    run: Setup,
+    checkpoints: Checkpoints,
+    log: Callable[[str], None],
+    extras: Mapping[str, PyTree] | None = None,
+    settings: Mapping[str, Any] | None = None,
+) -> Resumed | None:
+    """The newest checkpoint in `checkpoints` that reads back (None if none), checked to be this run's: its config
+    (`run_identity.check`, allowed changes recorded in the progress's history) and an application's `settings`.
+    `extras`: the application's trees saved beside the state (`save_checkpoint`), name -> abstract target
+    (`jax.ShapeDtypeStruct`s: with a sharding they read as jax.Arrays, without as numpy arrays)."""
+    found, changed = _restore_latest(run, checkpoints, extras or {}, settings)
+    if found is None:
+        return None
+    tree, meta = found
+    saved = {name: tree.pop(name) for name in extras or {}}
+    progress = _resumed(run.cfg, Progress.from_meta(meta), changed, log)
+    return Resumed(run.plan.state_from_model_order(tree), progress, saved)
+
+
+def _restore_latest(
+    run: Setup,
+    checkpoints: Checkpoints,
+    extras: Mapping[str, PyTree] | None = None,
+    settings: Mapping[str, Any] | None = None,
+) -> tuple[tuple[Any, dict] | None, dict[str, tuple]]:
+    """`Checkpoints.restore_latest` for this run (the state and `extras`): each candidate's config and `settings` are
+    checked (`_check_run`), and a checkpoint whose arrays do not fit the model stops the run too. Also returns the
+    changes allowed in the one restored."""
     changed: dict[str, tuple] = {}
 
     def accept(step_dir: Path, meta: dict[str, Any]) -> None:
         changed.clear()
-        changed.update(run_identity.check(step_dir, meta, run.cfg))
+        changed.update(_check_run(step_dir, meta, run.cfg, settings))
 
     try:
-        return checkpoints.restore_latest(run.plan.abstract_model_state(), accept), changed
+        return checkpoints.restore_latest({**run.plan.abstract_model_state(), **(extras or {})}, accept), changed
     except CheckpointMismatchError as err:
         raise run_identity.does_not_fit(checkpoints.directory, err) from err
 

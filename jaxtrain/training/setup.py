@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import optax
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.analysis.memory import memory_report
@@ -34,14 +34,14 @@ from jaxtrain.parallel.grad_sync import GradientSync
 from jaxtrain.parallel.pipeline import Pipeline, make_pipeline, stacked_layer_count
 from jaxtrain.parallel.step import GradFn, accumulate_gradients, eval_step, replica_gradients, train_step
 from jaxtrain.parallel.updates import UpdatePolicy, local_step, stale_step
-from jaxtrain.registry import resolve_model
+from jaxtrain.placement.model import ModelParts
+from jaxtrain.placement.place import PlacedModel, place_model
+from jaxtrain.placement.plan import Plan
 from jaxtrain.run_config import ConfigError, RunConfig
-from jaxtrain.sharding.mesh import build_mesh, describe_mesh, parse_layout
+from jaxtrain.sharding.mesh import describe_mesh
 from jaxtrain.sharding.rules import ShardingRules
 from jaxtrain.training.distributed import describe_processes
-from jaxtrain.training.model import ModelParts, split_model
 from jaxtrain.training.optim import make_optimizer
-from jaxtrain.training.plan import Plan, make_plan
 
 StepFn = Callable[[dict[str, Any], dict[str, jax.Array]], tuple[dict[str, Any], dict[str, jax.Array]]]
 
@@ -52,6 +52,7 @@ class Setup:
     step's model FLOPs."""
 
     cfg: RunConfig
+    placed: PlacedModel  # the model on the mesh, with its rules: what generation and the examples build on
     plan: Plan
     dataset: Dataset
     optimizer: Any
@@ -167,12 +168,10 @@ def build(
     dataset: Dataset | None = None,
 ) -> Setup:
     """Like `setup`, but compiles nothing: steps compile when first used."""
-    spec, _ = resolve_model(cfg.model_name)
-    layout = parse_layout(cfg.mesh)
-    mesh = build_mesh(layout, devices)
+    placed = place_model(cfg.model_name, cfg.model, cfg.mesh, cfg.rules, devices=devices)
+    spec, mesh, rules, model = placed.spec, placed.mesh, placed.rules, placed.model
     if jax.process_count() > 1:
         log(describe_processes(mesh))
-    rules = ShardingRules.default().with_overrides({**layout.rules, **cfg.rules})
     if cfg.data.partition != "uniform" and rules.batch_axes()[:1] != ("replica",):
         raise ConfigError(  # a replica's rows are then no longer one contiguous block of the batch
             f"data.partition={cfg.data.partition} needs 'replica' first in the batch rule; it is {rules.batch_axes()}."
@@ -181,7 +180,6 @@ def build(
     verbose = cfg.train.verbose
     log(describe_mesh(mesh) if verbose else describe_mesh(mesh).splitlines()[0])  # the first line names the axes
 
-    model = split_model(functools.partial(spec.module, cfg.model), spec.replicate_unnamed)
     if mesh.shape["pipeline"] > 1:  # a model the pipeline cannot split is an error before any data is read
         stacked_layer_count(model.logical_names, model.abstract_params)
     optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, model.logical_names)
@@ -189,8 +187,8 @@ def build(
     pipeline = _pipeline(cfg, mesh, model, dataset.shapes(cfg.data.batch_size))
     if pipeline and verbose:
         log(pipeline.describe())
-    policy = _update_policy(cfg, mesh)
-    plan = make_plan(mesh, rules, model, optimizer, pipeline.layout if pipeline else None, policy)
+    policy = update_policy(cfg, mesh)
+    plan = placed.plan(optimizer, pipeline.layout if pipeline else None, policy)
     log(plan.table() if verbose else f"{plan.totals()} (--verbose or train.verbose=true: the full tables)")
     # Check the batch divides over the devices before anything compiles.
     plan.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
@@ -198,7 +196,7 @@ def build(
     sync = _gradient_sync(cfg, plan)
     grad_fn, step_fn = compose_step(cfg, plan, pipeline, sync, policy, optimizer, schedule)
     seq_len = cfg.data.seq_len if spec.task == "lm" else 1
-    return Setup(cfg, plan, dataset, optimizer, grad_fn, step_fn, cfg.data.batch_size * seq_len, pipeline, sync)
+    return Setup(cfg, placed, plan, dataset, optimizer, grad_fn, step_fn, cfg.data.batch_size * seq_len, pipeline, sync)
 
 
 def compose_step(
@@ -247,7 +245,9 @@ def _check_sequence_split(cfg: RunConfig, mesh: Mesh, rules: ShardingRules, task
     zigzag_order(cfg.data.seq_len, math.prod(mesh.shape[a] for a in axes))
 
 
-def _update_policy(cfg: RunConfig, mesh: Mesh) -> UpdatePolicy:
+def update_policy(cfg: RunConfig, mesh: Mesh | AbstractMesh) -> UpdatePolicy:
+    """The update policy `cfg.train` names, checked against the mesh and the gradient sync: training and the
+    planner both lay out the state it adds."""
     t = cfg.train
     policy = UpdatePolicy(t.sync, t.sync_every, t.staleness, t.outer_lr, t.outer_momentum)
     policy.check_mesh(mesh)

@@ -22,10 +22,10 @@ from jaxtrain.analysis.memory import device_bytes, total_bytes, tree_device_byte
 from jaxtrain.formatting import fmt_bytes, format_table
 from jaxtrain.parallel.pipeline import StageLayout
 from jaxtrain.parallel.updates import UpdatePolicy
+from jaxtrain.placement.model import ModelParts, PlanError, path_str
 from jaxtrain.sharding.constraints import activation_sharding
 from jaxtrain.sharding.param_state import kept_dims, map_like_params, shardings_like_params
 from jaxtrain.sharding.rules import ShardingRules, is_layer_stack, is_logical_names, logical_to_spec, spec_axes
-from jaxtrain.training.model import ModelParts, PlanError, path_str
 
 PyTree = Any
 

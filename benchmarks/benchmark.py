@@ -1,8 +1,8 @@
 """Benchmarks that print JSON. Every comparison is a ratio of runs interleaved in one process (the machine is noisy).
 
-    python scripts/benchmark.py                          # all sections, 8 simulated CPU devices
-    python scripts/benchmark.py --only meshes,overhead   # some sections
-    python scripts/benchmark.py --only maxtext           # jaxtrain vs MaxText, back to back (needs its venv)
+    python benchmarks/benchmark.py                          # all sections, 8 simulated CPU devices
+    python benchmarks/benchmark.py --only meshes,overhead   # some sections
+    python benchmarks/benchmark.py --only maxtext           # jaxtrain vs MaxText, back to back (needs its venv)
 
 Sections:
   meshes     step time, tokens/s and MFU of the benchmark GPT per mesh layout
@@ -14,8 +14,8 @@ Sections:
   gradsync   seconds per gradient sync (xla, ring, hierarchical, parameter server, bf16 ring) for 1-64 MB, and bytes
              each device sends (from the HLO) vs the algorithm's analytic model (target: within 5%)
   maxtext    our GPT and Llama paths vs MaxText 0.2.5's decoder on the same shape and mesh, alternated, for each
-             case of MAXTEXT_CASES (--maxtext-models; scripts/maxtext_baseline.sh); and per case our step against
-             its matmuls alone (scripts/matmul_floor.py): the ratio to MaxText if nothing else took time
+             case of MAXTEXT_CASES (--maxtext-models; benchmarks/maxtext_baseline.sh); and per case our step against
+             its matmuls alone (benchmarks/matmul_floor.py): the ratio to MaxText if nothing else took time
   attention  each attention implementation's forward + backward time per sequence length, and what `auto` picks
   context    step time per sequence length (1k-8k; 16k by --context-seqs) on context 1, 2, 4, 8 with ring and
              allgather attention; temporary bytes per device; bytes over `context`, compiled vs the planner's
@@ -415,7 +415,7 @@ MAXTEXT_GPT = ["base_num_kv_heads=4", "mlp_activations=[gelu]"]
 @dataclasses.dataclass(frozen=True)
 class MaxTextCase:
     """One shape on one mesh in both frameworks: our model and its overrides of SHAPE, MaxText's overrides of
-    scripts/maxtext_baseline.sh's defaults (the same shape on fsdp=8)."""
+    benchmarks/maxtext_baseline.sh's defaults (the same shape on fsdp=8)."""
 
     model: str
     mesh: str
@@ -471,7 +471,7 @@ MAXTEXT_CASES = {
 
 def run_maxtext(steps: int, overrides: Sequence[str]) -> dict:
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "maxtext_baseline.sh"), str(steps), *overrides],
+        ["bash", str(ROOT / "benchmarks" / "maxtext_baseline.sh"), str(steps), *overrides],
         capture_output=True,
         text=True,
         check=True,
@@ -503,7 +503,7 @@ def bench_maxtext(args, peak) -> dict:
             "maxtext_tokens_per_sec": theirs,
             "ratio_of_medians": round(ratio, 3),
             "target": ">= 1.3",
-            # Our step against its matmuls alone (scripts/matmul_floor.py, alternated in one process), and what
+            # Our step against its matmuls alone (benchmarks/matmul_floor.py, alternated in one process), and what
             # that makes the ratio to MaxText if everything but the matmuls took no time.
             "matmul_floor_over_step": floor["floor_over_step"] if floor["floor_exact"] else None,
             "ratio_with_matmuls_only": round(ratio / floor["floor_over_step"], 3) if floor["floor_exact"] else None,
@@ -513,8 +513,8 @@ def bench_maxtext(args, peak) -> dict:
 
 
 def run_floor(case: MaxTextCase) -> dict:
-    """scripts/matmul_floor.py on the case: our step and a program of its matmuls alone, alternated."""
-    command = [sys.executable, str(ROOT / "scripts" / "matmul_floor.py"), "--model", case.model, "--mesh", case.mesh]
+    """benchmarks/matmul_floor.py on the case: our step and a program of its matmuls alone, alternated."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "matmul_floor.py"), "--model", case.model, "--mesh", case.mesh]
     result = subprocess.run([*command, *SHAPE, *case.ours], capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -12,7 +12,7 @@ Prints JSON: per platform, how many tensors each kind of collective in the compi
 and the bytes one device receives per step through them; TPU (v5e, 2x4) only where libtpu, the TPU compiler, is
 installed (`pip install 'jaxtrain[tpu-aot]'`; no TPU needed).
 
-    python scripts/xla_cpu_fsdp_collectives.py [--layers 2] [--d-model 512] [--d-ff 2048] [--tokens 1024]
+    python benchmarks/xla_cpu_fsdp_collectives.py [--layers 2] [--d-model 512] [--d-ff 2048] [--tokens 1024]
 """
 
 from __future__ import annotations

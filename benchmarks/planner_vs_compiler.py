@@ -1,8 +1,8 @@
 """The planner's estimate beside the TPU or GPU compiler's own figures, one JSON line per model x layout pair: the
 step compiled for compile-only devices of the target (`jaxtrain.aot.targets`), estimated for the same chip.
 
-    python scripts/planner_vs_compiler.py v5p:2x2x2/gpt-small/fsdp=8/batch_size=32,seq_len=1024
-    python scripts/planner_vs_compiler.py h100:8/moe-small/data=2,expert=4/batch_size=32,seq_len=1024 ...
+    python benchmarks/planner_vs_compiler.py v5p:2x2x2/gpt-small/fsdp=8/batch_size=32,seq_len=1024
+    python benchmarks/planner_vs_compiler.py h100:8/moe-small/data=2,expert=4/batch_size=32,seq_len=1024 ...
 
 A pair is `target/model/mesh[/override,override,...]`. Each line: arguments and peak bytes per device and bytes each
 device sends per set of mesh axes, estimate, compiled and their ratio, and the compile's seconds. Needs the

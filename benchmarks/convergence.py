@@ -1,8 +1,8 @@
 """Communication against convergence, side by side: what each update policy and data partition costs in bytes and
 gains or loses in validation loss. Prints one JSON report and draws a PNG (with the `plot` extra installed).
 
-    python scripts/convergence.py                         # both experiments, 8 simulated CPU devices (~10 min)
-    python scripts/convergence.py --only policies --steps 200 --out runs/convergence
+    python benchmarks/convergence.py                         # both experiments, 8 simulated CPU devices (~10 min)
+    python benchmarks/convergence.py --only policies --steps 200 --out runs/convergence
 
 - policies: gpt-tiny on tinyshakespeare (../shared/data; the built-in text when absent), 8 replicas (mesh
   replica=8): synchronous, local_sgd (H = 4, 16), diloco (H = 16) and stale (tau = 1, 4). Validation loss against

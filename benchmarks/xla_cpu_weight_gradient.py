@@ -9,7 +9,7 @@ process: median and best seconds, how many top-level dots the compiled program r
 operand contracted along its major dim, and the largest difference between their gradients relative to the largest
 gradient (float32: summation order only).
 
-    python scripts/xla_cpu_weight_gradient.py [--dtype bfloat16] [--layers 4] [--batch 8] [--seq 256]
+    python benchmarks/xla_cpu_weight_gradient.py [--dtype bfloat16] [--layers 4] [--batch 8] [--seq 256]
         [--d-model 256] [--d-ff 1024]
 """
 

@@ -1,7 +1,7 @@
 """A BPE against bytes: the same tiny Llama, steps and batch, trained on tinyshakespeare as 2,048 BPE tokens and as
 bytes; validation loss in nats per byte, so the two are comparable. Prints JSON, draws a PNG (the `plot` extra).
 
-    python scripts/bpe_vs_bytes.py --out docs/results           # ~3 min on 2 cores, 8 simulated CPU devices
+    python benchmarks/bpe_vs_bytes.py --out docs/results           # ~3 min on 2 cores, 8 simulated CPU devices
 
 The text is split once: the first 90% trains (the BPE is trained on it too), the last 10% is held out. Both runs
 go through `jaxtrain tokenize` (bytes as a BPE of no merges: 256 bytes and <|endoftext|>), so both curves are on

@@ -16,11 +16,11 @@
 # The decoder's MLP and key/value heads come from the overrides (MaxText's defaults: SwiGLU, as many kv heads as
 # query heads): GPT's shape is base_num_kv_heads=4 'mlp_activations=[gelu]', the Llama one base_num_kv_heads=2.
 #
-# Usage: scripts/maxtext_baseline.sh [STEPS] [MaxText key=value overrides...]
+# Usage: benchmarks/maxtext_baseline.sh [STEPS] [MaxText key=value overrides...]
 #   An override replaces the default of its key (shape: base_emb_dim, base_num_decoder_layers, max_target_length,
 #   per_device_batch_size, ...; mesh: ici_fsdp_parallelism, ici_data_parallelism, ...).
-#   e.g. scripts/maxtext_baseline.sh 30 base_num_kv_heads=4 'mlp_activations=[gelu]'
-#        scripts/maxtext_baseline.sh 30 base_num_kv_heads=4 ici_fsdp_parallelism=1 ici_data_parallelism=8
+#   e.g. benchmarks/maxtext_baseline.sh 30 base_num_kv_heads=4 'mlp_activations=[gelu]'
+#        benchmarks/maxtext_baseline.sh 30 base_num_kv_heads=4 ici_fsdp_parallelism=1 ici_data_parallelism=8
 # Env: MAXTEXT_VENV, MAXTEXT_LOG (full log, default /tmp/maxtext_baseline.log),
 #      MAXTEXT_OUT (base_output_directory, default /tmp/maxtext_out).
 set -euo pipefail

@@ -6,7 +6,7 @@ Prints JSON: the gradient's median and best seconds as JAX compiles it (`fused`)
 the activation's input cotangent (`barrier`, the workaround), alternated in one process; their ratio; how many loop
 fusions write a (width, B*T) transpose, with and without elementwise math in them; and that both gradients are equal.
 
-    python scripts/xla_cpu_transposed_fusion.py [--layers 4] [--batch 12] [--seq 64] [--d-model 128] [--d-ff 512]
+    python benchmarks/xla_cpu_transposed_fusion.py [--layers 4] [--batch 12] [--seq 64] [--d-model 128] [--d-ff 512]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ loop (`python_loop`), alternated in one process: median and best seconds; for ea
 that it fills with zeros (shape and MB) and how many dynamic-update-slice fusions it runs; and that all three gradients
 are equal.
 
-    python scripts/xla_cpu_scan_residuals.py [--layers 4] [--batch 8] [--seq 256] [--d-model 256] [--d-ff 1024]
+    python benchmarks/xla_cpu_scan_residuals.py [--layers 4] [--batch 8] [--seq 256] [--d-model 256] [--d-ff 1024]
 """
 
 from __future__ import annotations

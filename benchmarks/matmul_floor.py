@@ -13,10 +13,10 @@ With `--no-remat` the floor's matmuls come from the same model compiled with `re
 step of this model needs (no forward matmul recomputed). A program that runs those matmuls through XLA's dot kernels
 cannot step faster than that floor. `--other-hlo` times the floor of another program's dumped HLO in the same
 alternation (another framework's step: does it run the same matmuls, and how long do they take?).
-`scripts/benchmark.py --only maxtext` runs this script on each case's step: the share of the step its matmuls
+`benchmarks/benchmark.py --only maxtext` runs this script on each case's step: the share of the step its matmuls
 take, and the ratio to MaxText if nothing else took time.
 
-    python scripts/matmul_floor.py --model gpt-cpu --mesh fsdp=8 n_layers=4 d_model=256 ...
+    python benchmarks/matmul_floor.py --model gpt-cpu --mesh fsdp=8 n_layers=4 d_model=256 ...
 """
 
 from __future__ import annotations

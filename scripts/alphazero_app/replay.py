@@ -1,21 +1,23 @@
-"""A replay buffer of self-play positions, read by jaxtrain's train step as a `Dataset` (task `selfplay`): batch
-`step` is drawn from the positions held when it is read, by a generator seeded with (seed, step, row), so on any
-mesh or process count the same step draws the same rows from the same buffer. A checkpoint therefore holds the
-positions themselves (`saved`, `restore`), oldest first, as the draws index them."""
+"""A replay buffer of self-play positions, read by jaxtrain's train step as its dataset (the model's task is `custom`:
+data the run brings, here `build(cfg, dataset=buffer)`): batch `step` is drawn from the positions held when it is
+read, by a generator seeded with (seed, step, row), so on any mesh or process count the same step draws the same rows
+from the same buffer. A checkpoint therefore holds the positions themselves (`saved`, `restore`), oldest first, as the
+draws index them."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 
-from jaxtrain.data.datasets import SPLITS
-from jaxtrain.errors import UserInputError
+from jaxtrain import UserInputError
+
+SPLITS = {"train": 0, "val": 1}  # a split's number in the draws' seed: each split draws its own rows
 
 
 class ReplayBuffer:
     """The newest `capacity` positions: observation, policy target, value target."""
 
-    task = "selfplay"
+    task = "custom"  # the dataset protocol's field: data only this application makes
 
     def __init__(self, observation: tuple[int, ...], actions: int, capacity: int, seed: int):
         if capacity < 1:
@@ -53,6 +55,7 @@ class ReplayBuffer:
         self.data = {k: np.asarray(saved[k][:size]) for k in self.data}
 
     def shapes(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """A batch of `batch_size` rows: the model's (models/alphazero.py) observation, policy and value targets."""
         return {
             "observation": jax.ShapeDtypeStruct((batch_size, *self.observation), np.float32),
             "policy": jax.ShapeDtypeStruct((batch_size, self.actions), np.float32),

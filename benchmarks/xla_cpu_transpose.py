@@ -15,7 +15,7 @@ Prints JSON: for each shape and dtype, the median microseconds of a copy (`x * 2
 and of the tiled one, alternated in one process, and the ratios to the copy; the shapes pair each power-of-two one
 with a neighbour a little smaller.
 
-    python scripts/xla_cpu_transpose.py [--rounds 9] [--calls 20]
+    python benchmarks/xla_cpu_transpose.py [--rounds 9] [--calls 20]
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import jaxtrain.training.checkpoint
 import jaxtrain.placement.plan
+import jaxtrain.training.checkpoint
 from jaxtrain.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,8 +7,8 @@ from conftest import shared_file
 from helpers import make_run
 
 from jaxtrain.data.datasets import DataError, Digits, SyntheticTokens, builtin_text, global_batch, make_dataset
-from jaxtrain.sharding.rules import ShardingRuleError
 from jaxtrain.placement.model import PlanError
+from jaxtrain.sharding.rules import ShardingRuleError
 
 
 def test_builtin_text_is_real_and_deterministic():

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from orbax.checkpoint._src.path import async_path
 
+from jaxtrain.placement.model import ModelParts
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.checkpoint import CheckpointWriteError, restore
 from jaxtrain.training.loop import train
-from jaxtrain.placement.model import ModelParts
 from jaxtrain.training.recovery import Diverged
 from jaxtrain.training.run_lock import LOCK_NAME
 from jaxtrain.training.setup import Setup, build

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 from helpers import cached_run, reference_curve
 
-from jaxtrain.registry import available_models, resolve_model
 from jaxtrain.placement.model import split_model
+from jaxtrain.registry import available_models, resolve_model
 
 
 @pytest.mark.parametrize("name", [f"{m}-{p}" for m, spec in available_models().items() for p in spec.presets])

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from helpers import gradients, make_run
 
-from jaxtrain.sharding.rules import ShardingRuleError
 from jaxtrain.placement.model import PlanError
+from jaxtrain.sharding.rules import ShardingRuleError
 
 
 @pytest.mark.parametrize(

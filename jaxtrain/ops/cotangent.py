@@ -3,7 +3,7 @@
 
 XLA:CPU fuses elementwise math into the transpose that a weight gradient's dot asks of its operand, into one loop
 fusion that writes a (width, B*T) array transposed while it computes: several times slower than the same math
-followed by a plain transpose (`scripts/xla_cpu_transposed_fusion.py` reproduces it). It happens to an activation's
+followed by a plain transpose (`benchmarks/xla_cpu_transposed_fusion.py` reproduces it). It happens to an activation's
 backward (GELU's, SiLU's), and, under `remat`, to the recomputed activations a projection's weight gradient reads
 (GELU's output times its input, a norm's scaling). An optimization barrier keeps the math and the transpose apart.
 Measured by alternating both programs in one process (a 4-layer GPT, one CPU device unless named; the other program

@@ -3,13 +3,13 @@
 Autodiff's transpose of `einsum(x, w)` computes the weight gradient as `dot_general(dy, x)`, contracting the batch
 and sequence dims, which are the major dims of both. XLA:CPU copies `x` into a transposed layout and leaves `dy`
 contracted along its major dim: a dot its YNNPACK kernels do not take, which falls back to a loop several times
-slower (`scripts/xla_cpu_weight_gradient.py` reproduces it). Written as `dot_general(x, dy)`, the same contraction
+slower (`benchmarks/xla_cpu_weight_gradient.py` reproduces it). Written as `dot_general(x, dy)`, the same contraction
 gets `x` transposed into the left operand's canonical layout and runs in YNNPACK. The gradient keeps autodiff's
 dtype (the compute dtype): accumulated in float32 it was more accurate in bfloat16, but the TPU compiler then
 all-reduced FSDP's gradients in float32, 1.7x the bytes of gpt-small's bfloat16 ones (tests/test_hlo_tpu.py).
 
 Measured on the 2-core CPU machine, alternated in one process, 2026-12-03:
-- `python scripts/xla_cpu_weight_gradient.py` (a 4-layer GELU MLP, d_model 256 x 1024, 8 x 256 tokens, one device):
+- `python benchmarks/xla_cpu_weight_gradient.py` (a 4-layer GELU MLP, d_model 256 x 1024, 8 x 256 tokens, one device):
   the gradient 0.583 s as autodiff writes it, 0.164 s activations first (3.5x) in bfloat16; 0.393 s and 0.293 s
   (1.34x) in float32.
 - A 4-layer GPT's training step on one device, autodiff's einsum against `project` (`models.gpt.project` patched):

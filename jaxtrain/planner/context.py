@@ -22,9 +22,9 @@ import math
 
 import jax.numpy as jnp
 
+from jaxtrain.placement.plan import Plan
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.run_config import RunConfig
-from jaxtrain.placement.plan import Plan
 
 
 def context_attention_bytes(cfg: RunConfig, plan: Plan) -> list[Transfer]:

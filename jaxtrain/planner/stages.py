@@ -32,12 +32,12 @@ from jaxtrain.analysis.comm_report import SEND_SHARE
 from jaxtrain.analysis.memory import device_bytes
 from jaxtrain.parallel.pipeline import StageLayout, balanced_layout, estimate_costs
 from jaxtrain.parallel.schedules import Schedule, build_schedule
+from jaxtrain.placement.plan import Plan
 from jaxtrain.planner.tracing import StepTrace, Tally
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.planner.weights import Runs, exchanged_tables
 from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.rules import is_layer_stack, is_logical_names
-from jaxtrain.placement.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)

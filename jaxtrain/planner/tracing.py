@@ -24,6 +24,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in
 
 from jaxtrain.analysis.comm_report import SEND_SHARE
 from jaxtrain.ops.plain import plain_math
+from jaxtrain.placement.plan import Plan
 from jaxtrain.planner.layouts import Flow, Shares, Spec, body_of, scan_parts, spec_entries, walk
 from jaxtrain.planner.residuals import held_residuals
 from jaxtrain.planner.transfers import Transfer
@@ -31,7 +32,6 @@ from jaxtrain.planner.weights import params_in_use
 from jaxtrain.sharding.constraints import activation_sharding
 from jaxtrain.sharding.mesh import MESH_AXES
 from jaxtrain.sharding.rules import is_layer_stack, is_logical_names
-from jaxtrain.placement.plan import Plan
 
 # Ops that combine values along a dim: when that dim is split over a mesh axis the result is a partial sum there.
 _COMBINING = {"dot_general", "gather"} | {f"reduce_{op}" for op in ("sum", "max", "min", "prod", "and", "or")}

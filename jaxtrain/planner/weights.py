@@ -19,11 +19,11 @@ import numpy as np
 
 from jaxtrain.analysis.comm_report import SEND_SHARE
 from jaxtrain.analysis.memory import device_bytes
+from jaxtrain.placement.plan import Plan
 from jaxtrain.planner.layouts import Spec, spec_entries
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.sharding.mesh import MESH_AXES
 from jaxtrain.sharding.rules import is_layer_stack, is_logical_names, spec_axes
-from jaxtrain.placement.plan import Plan
 
 
 def params_in_use(plan: Plan) -> list[Spec]:

@@ -1,8 +1,8 @@
 """Dependencies point one way, read from the source's import statements (those inside functions included):
 
     base (errors, settings, files, formatting, registry, devices)
-      < analysis, sharding, data  < parallel  < run_config, placement  < training  < planner, asynchronous  < cli and the
-      public API
+      < analysis, sharding, data  < parallel  < run_config, placement  < training  < planner, asynchronous  < cli
+      and the public API
 
 No module imports one of a higher layer, no two modules import each other through any chain, the library never
 imports `jaxtrain_models` (models/), `scripts`, `benchmarks` or `tests`, models import only the sharding helpers, the

@@ -40,22 +40,13 @@ from flax import nnx
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.ops.attention import CONTEXT_PARALLEL, IMPLEMENTATIONS, attention, masked_attention
-from jaxtrain.ops.cotangent import unfused_cotangent
 from jaxtrain.ops.cross_entropy import output_cross_entropy
-from jaxtrain.ops.projection import SAVEABLE as PROJECTION
-from jaxtrain.ops.projection import project
+from jaxtrain.ops.plain import KERNELS, KERNELS_HELP
+from jaxtrain.ops.projection import REMAT_POLICIES, project
 from jaxtrain.ops.sequence import next_tokens, segment_positions
 from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
 from jaxtrain.sharding.constraints import constrain, scan_layers
 
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(PROJECTION),
-    ),
-}
 MLPS = ("gelu", "swiglu")
 ROPE_SCALINGS = ("none", "llama3")
 CACHE_NAMES = ("layers", "batch", "cache_seq", "kv_heads", "kv")
@@ -95,6 +86,7 @@ class GPTConfig(Settings):
     qk_norm: bool = setting(False, "RMSNorm on each head's queries and keys (Qwen3)")
     norm_eps: float = setting(1e-6, "RMSNorm's epsilon", above=0)
     chunked_loss: bool = setting(True, "the output loss a chunk of positions at a time (false: whole logits)")
+    kernels: str = setting("fused", KERNELS_HELP, choices=KERNELS)
 
     @property
     def kv_heads(self) -> int:
@@ -161,7 +153,8 @@ class GPTConfig(Settings):
 
 PRESETS = {
     "tiny": lambda: GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256, dtype="float32"),
-    # remat=full is ~20% faster than none on CPU (less memory traffic; measured by benchmarks/benchmark.py variants).
+    # remat=full: the fastest policy on CPU, as recomputing costs less than the saved activations' memory traffic
+    # (docs/benchmarks.md).
     "cpu": lambda: GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=4, d_ff=1024, remat="full"),
     "small": lambda: GPTConfig(vocab_size=50304, n_layers=12, d_model=768, n_heads=12, d_ff=3072),
     "medium": lambda: GPTConfig(vocab_size=50304, n_layers=24, d_model=1024, n_heads=16, d_ff=4096),
@@ -270,7 +263,7 @@ class Block(nnx.Module):
         cfg = self.cfg
         mixed = attention(
             q, k, v, implementation=cfg.attention, segment_ids=context.segment_ids,
-            sliding_window=cfg.sliding_window or None, context_parallel=cfg.context_parallel,
+            sliding_window=cfg.sliding_window or None, context_parallel=cfg.context_parallel, kernels=cfg.kernels,
         )  # fmt: skip
         return self.project_out(mixed)
 
@@ -313,9 +306,9 @@ class Block(nnx.Module):
 
     def mlp(self, x: jax.Array) -> jax.Array:
         # The activations' inputs are kept out of XLA:CPU's transposing fusions (`jaxtrain.ops.cotangent`).
-        hidden = unfused_cotangent(project("btd,df->btf", x, self.w_in[...]))  # (B, T, F)
+        hidden = project("btd,df->btf", x, self.w_in[...])  # (B, T, F)
         if self.cfg.mlp == "swiglu":
-            gate = unfused_cotangent(project("btd,df->btf", x, self.w_gate[...]))
+            gate = project("btd,df->btf", x, self.w_gate[...])
             hidden = jax.nn.silu(gate) * hidden
         else:
             hidden = jax.nn.gelu(hidden)
@@ -403,7 +396,8 @@ class GPT(nnx.Module):
         logits are never held at once (`jaxtrain.ops.cross_entropy`); equal to the loss of `unembed`'s logits."""
         x = rms_norm(hidden, self.final_norm[...], self.cfg.norm_eps)
         weights_matrix, layout = self.head_matrix()
-        whole = None if self.cfg.chunked_loss else x.shape[1]  # one chunk: the plain program
+        chunked = self.cfg.chunked_loss and self.cfg.kernels == "fused"
+        whole = None if chunked else x.shape[1]  # one chunk: the plain program
         total, count = output_cross_entropy(
             x, weights_matrix, targets, weights=weights, head_layout=layout, chunk_len=whole
         )

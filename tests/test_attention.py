@@ -124,6 +124,18 @@ def test_equals_reference(impl, mask):
     assert_gradients_close(value_and_grads(IMPLS[impl], mask, *inputs()), reference_results(mask), rtol=1e-5)
 
 
+def test_plain_kernels_compute_a_fused_implementation_as_the_reference_recomputed():
+    """`kernels="plain"` (what the planner reads, jaxtrain.ops.plain): the chunked kernel's numbers without its
+    loop or custom gradient, the scores computed again in the backward pass (a remat region), as the kernel does."""
+    plain = functools.partial(attention, implementation="chunked", kernels="plain")
+    assert_gradients_close(value_and_grads(plain, "both", *inputs()), reference_results("both"), rtol=1e-5)
+    q, k, v, _ = inputs()
+    primitives = {e.primitive.name for e in jax.make_jaxpr(plain)(q, k, v).jaxpr.eqns}
+    fused = {e.primitive.name for e in jax.make_jaxpr(IMPLS["chunked"])(q, k, v).jaxpr.eqns}
+    assert "checkpoint" in primitives or "remat2" in primitives, primitives
+    assert "custom_vjp_call" in fused and not {"custom_vjp_call", "scan", "while"} & primitives, (fused, primitives)
+
+
 def sharded_value_and_grads(impl: str, mesh_spec: str, rules: ShardingRules, devices: int) -> list[np.ndarray]:
     """value_and_grads with segments and window on a mesh: q, k, v laid out as a model's attention has them."""
     mesh = build_mesh(parse_inline(mesh_spec), jax.devices()[:devices])
@@ -314,8 +326,9 @@ def test_auto_picks_per_platform_and_length():
         ({"implementation": "reference"}, 3, r"3 kv heads do not divide 4 query heads"),
         ({"sliding_window": 0}, 2, r"sliding_window 0 must be a positive int"),
         ({"segment_ids": jnp.zeros((2, 5), jnp.int32)}, 2, r"segment_ids \(2, 5\) must be \(batch, seq\)"),
+        ({"kernels": "fast"}, 2, r"kernels='fast': use one of fused, plain"),
     ],
-    ids=["unknown", "cudnn-on-cpu", "splash-on-cpu", "gqa", "window", "segments"],
+    ids=["unknown", "cudnn-on-cpu", "splash-on-cpu", "gqa", "window", "segments", "kernels"],
 )
 def test_bad_choices_are_refused_by_name(kwargs, kv_heads, message):
     q = jnp.zeros((2, 8, 4, 16))

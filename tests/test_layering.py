@@ -45,8 +45,8 @@ MODEL_IMPORTS = {
     "jaxtrain.settings",
     "jaxtrain.errors",
     "jaxtrain.ops.attention",
-    "jaxtrain.ops.cotangent",
     "jaxtrain.ops.cross_entropy",
+    "jaxtrain.ops.plain",
     "jaxtrain.ops.projection",
     "jaxtrain.ops.sequence",
 }

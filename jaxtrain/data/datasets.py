@@ -500,7 +500,7 @@ def check_dataset(dataset: object, task: str, seq_len: int, batch_size: int, voc
     if missing:
         raise DataError(
             f"dataset {type(dataset).__name__} has no {', '.join(missing)}: a dataset has a `task` (lm, "
-            "classification, clicks), `shapes(batch_size)` and `rows(split, step, rows, batch_size)` "
+            "classification, clicks or custom), `shapes(batch_size)` and `rows(split, step, rows, batch_size)` "
             "(jaxtrain.data.datasets.Dataset; e.g. TokenWindows for token ids in memory)."
         )
     if dataset.task != task:

@@ -48,16 +48,13 @@ from jaxtrain.ops.blockwise import (
 )
 from jaxtrain.ops.context_attention import CONTEXT_PARALLEL as CONTEXT_PARALLEL  # the model's choices, from here
 from jaxtrain.ops.context_attention import context_attention, sequence_axes
-from jaxtrain.ops.plain import is_plain
+from jaxtrain.ops.plain import KERNELS
 from jaxtrain.sharding.constraints import active_mesh, per_device
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash", "chunked")
-# From this sequence length on, `auto` picks `chunked` over `reference` on CPU. Measured on this project's 2-core
-# CI-class machine, forward + backward of attention alone, float32, best of 3 (seconds, reference / chunked):
-#   B=1 H=8 G=4 K=64:  T=64 .0014/.0013, 128 .0056/.0022, 256 .0165/.0096, 512 .212/.085, 1024 .66/.40, 4096 11.4/3.0
-#   B=8 H=4 G=2 K=16:  T=64 .0018/.0019, 128 .010/.015, 256 .026/.044, 512 .33/.37, 1024 1.53/.99, 2048 5.9/2.7
-# Below 512 the winner depends on the head shape and the margins are small; from 512 on chunked wins or nearly ties,
-# and from 1024 on it wins by 1.5-4x (and its memory stays linear). How it was timed: docs/attention.md.
+# From this sequence length on, `auto` picks `chunked` over `reference` on CPU: below it the faster of the two
+# depends on the head shape and the margins are small; from it on chunked wins or nearly ties, and its memory stays
+# linear (docs/attention.md has the timings and how they were taken).
 CPU_CHUNKED_FROM_SEQ = 512
 _SPLASH_BLOCK = 128  # the splash kernel's blocks are multiples of the TPU's 128 lanes
 _Q = ("batch", None, "heads", None)  # q and the output on each device: the sequence and head dim stay whole
@@ -79,15 +76,19 @@ def attention(
     sliding_window: int | None = None,
     interpret: bool = False,
     context_parallel: str = "ring",
+    kernels: str = "fused",
 ) -> jax.Array:
     """Causal self-attention of q (B, T, H, K) over k, v (B, T, G, K) -> (B, T, H, K) in q's dtype.
 
     `implementation`: one of IMPLEMENTATIONS. `segment_ids` (B, T) int: packed documents. `sliding_window` W: query
     t sees keys t - W < s <= t. `interpret`: run the splash kernel in the Pallas interpreter on any backend (tests).
     `context_parallel`: one of CONTEXT_PARALLEL, the algorithm where the active rules split the sequence over
-    devices; q, k, v and segment_ids are then in the layout of `jaxtrain.ops.sequence`.
+    devices; q, k, v and segment_ids are then in the layout of `jaxtrain.ops.sequence`. `kernels="plain"`: a fused
+    implementation computes as the reference under `jax.checkpoint` (`jaxtrain.ops.plain`).
     """
     _check_inputs(q, k, v, segment_ids, sliding_window)
+    if kernels not in KERNELS:
+        raise AttentionError(f"kernels='{kernels}': use one of {', '.join(KERNELS)}.")
     if sequence_axes(q.shape[1]):
         return context_attention(
             q, k, v, segment_ids, sliding_window, algorithm=context_parallel, implementation=implementation
@@ -100,9 +101,9 @@ def attention(
             f"attention implementation '{chosen}' needs a {needs.upper()}, but this program runs on {platform}. Use "
             f"'auto' (picks per backend), 'chunked', 'xla' or 'reference'."
         )
-    if is_plain() and chosen in _FUSED:
-        # For a planner that reads the step (jaxtrain.ops.plain): the reference's numbers with a fused kernel's
-        # memory, which keeps q, k and v for the backward pass and computes the scores again there.
+    if kernels == "plain" and chosen in _FUSED:
+        # The reference's numbers with a fused kernel's memory, which keeps q, k and v for the backward pass and
+        # computes the scores again there.
         return jax.checkpoint(_reference, static_argnums=(4,))(q, k, v, segment_ids, sliding_window)
     run = {
         "reference": _reference,

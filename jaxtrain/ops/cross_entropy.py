@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxtrain.ops.plain import is_plain
 from jaxtrain.sharding.constraints import constrain, split_ways
 
 HeadLayout = Literal["dv", "vd"]
@@ -37,8 +36,7 @@ _LOGITS = {"dv": "bcd,dv->bcv", "vd": "bcd,vd->bcv"}
 _HIDDEN_GRAD = {"dv": "bcv,dv->bcd", "vd": "bcv,vd->bcd"}
 _HEAD_GRAD = {"dv": "sbcd,sbcv->sdv", "vd": "sbcd,sbcv->svd"}
 # A default chunk holds at most this many logits per device (64 MiB of float32): 128 positions of one row at Llama's
-# 128,256-token vocabulary, 32 of four rows. On CPU (V 32,000-128,256, D 64, 1-4 rows) chunks of 8-16 M logits ran
-# fastest, 2.2-2.7x faster than the plain path; 4x larger ones 12-29% slower than these.
+# 128,256-token vocabulary, 32 of four rows; the fastest size on CPU (docs/benchmarks.md, "The chunked loss").
 CHUNK_LOGITS = 2**24
 
 
@@ -73,7 +71,7 @@ def output_cross_entropy(
     chunk_len = min(chunk_len, hidden.shape[1])
     # One chunk: autodiff's gradient of the plain computation is the same loop-free program, and reduces the head's
     # gradient as any weight's (over the data axes, reduce-scattered over fsdp).
-    if is_plain() or chunk_len == hidden.shape[1]:
+    if chunk_len == hidden.shape[1]:
         return jnp.sum(weights * _whole_sequence_losses(hidden, head, targets, head_layout)), jnp.sum(weights)
     hidden, head, targets, weights = _varying_together(hidden, head, targets, weights)
     hidden_chunks, target_chunks, weight_chunks = (_as_chunks(x, chunk_len) for x in (hidden, targets, weights))

@@ -1,24 +1,20 @@
-"""`project`: activations times a weight, as `jnp.einsum`, with a weight gradient that XLA:CPU runs at matmul speed.
+"""`project`: the one helper a model calls for its weight matmuls, `jnp.einsum` of activations and a weight, with a
+gradient written for the compilers; and `REMAT_POLICIES`, the remat policies that know its output's name.
 
-Autodiff's transpose of `einsum(x, w)` computes the weight gradient as `dot_general(dy, x)`, contracting the batch
-and sequence dims, which are the major dims of both. XLA:CPU copies `x` into a transposed layout and leaves `dy`
-contracted along its major dim: a dot its YNNPACK kernels do not take, which falls back to a loop several times
-slower (`benchmarks/xla_cpu_weight_gradient.py` reproduces it). Written as `dot_general(x, dy)`, the same contraction
-gets `x` transposed into the left operand's canonical layout and runs in YNNPACK. The gradient keeps autodiff's
-dtype (the compute dtype): accumulated in float32 it was more accurate in bfloat16, but the TPU compiler then
-all-reduced FSDP's gradients in float32, 1.7x the bytes of gpt-small's bfloat16 ones (tests/test_hlo_tpu.py).
-
-Measured on the 2-core CPU machine, alternated in one process, 2026-12-03:
-- `python benchmarks/xla_cpu_weight_gradient.py` (a 4-layer GELU MLP, d_model 256 x 1024, 8 x 256 tokens, one device):
-  the gradient 0.583 s as autodiff writes it, 0.164 s activations first (3.5x) in bfloat16; 0.393 s and 0.293 s
-  (1.34x) in float32.
-- A 4-layer GPT's training step on one device, autodiff's einsum against `project` (`models.gpt.project` patched):
-  1.90x (d_model 128, 12 x 64 tokens) and 2.07x (d_model 256, 8 x 256) faster in bfloat16; in float32 0.97-0.98x
-  (0.91-1.16x in earlier runs: no clear effect). On 8 devices (`fsdp=8`, `data=8`, `data=2,fsdp=2,tensor=2`)
-  0.94-1.07x (with a float32-accumulating first version): the SPMD partitioner's per-device program already leaves
-  autodiff's dot in a form YNNPACK takes.
-- MoE's expert MLPs (moe-cpu, one device): 1.44x in bfloat16, 1.10x in float32; 1.07x on `data=2,expert=4`.
-On GPU and TPU the dot is the same contraction with its operands in the other order (not measured: none here).
+What `project` does differently from autodiff's einsum, and why (docs/benchmarks.md, "Small models on CPU", has the
+measurements):
+- The weight gradient is `dot_general(x, dy)`, activations first. Autodiff writes `dot_general(dy, x)`, contracting
+  the batch and sequence dims, the major dims of both; XLA:CPU then leaves `dy` contracted along its major dim, a dot
+  its YNNPACK kernels do not take (`benchmarks/xla_cpu_weight_gradient.py` reproduces it). On GPU and TPU it is the
+  same contraction with its operands in the other order.
+- It saves the weight cast to the compute dtype for the input gradient, not the float32 weight: XLA then reuses the
+  weight FSDP gathered for the forward pass instead of gathering it a second time in the backward pass.
+- On XLA:CPU, float32 arrays a weight gradient reads are written out before their transpose (`unfused_on_cpu`): the
+  output's cotangent (an activation's backward, GELU's or SiLU's, times the gradient) and, under remat, the
+  recomputed activations. Fused into the transposing copy the dot asks for, their math runs several times slower
+  (`benchmarks/xla_cpu_transposed_fusion.py`). The choice is made per backend when the program is lowered
+  (`jax.lax.platform_dependent`): other backends' programs are untouched.
+- The gradient keeps the compute dtype, so FSDP reduces bfloat16 gradients in bfloat16 (tests/test_hlo_tpu.py).
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxtrain.ops.projection import project
@@ -38,21 +34,28 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.ops.cotangent import unfused_on_cpu
-from jaxtrain.ops.plain import is_plain
 
 SAVEABLE = "projection"  # the name `project` gives its output, for `jax.checkpoint_policies.save_only_these_names`
+
+# What the backward pass of a block recomputes (`jax.checkpoint`'s policies), by name: none (keep every residual),
+# full (recompute the block), save_dots (keep matmul outputs: a policy of dots alone sees `project`'s custom VJP call,
+# not the dot inside it, so `project`'s named output is kept too).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(SAVEABLE),
+    ),
+}
 
 
 def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """`jnp.einsum(spec, x, w.astype(x.dtype))`: `x` activations (batch dims first), `w` a float32 parameter.
 
-    The gradient is autodiff's, up to summation order; under the planner's plain math
-    (`jaxtrain.ops.plain`) this is the plain einsum, whose matmuls the planner reads.
+    The value and gradients are autodiff's, up to summation order; the backward pass is written for the compilers
+    (the module's docstring says how).
     """
-    if is_plain():
-        return jnp.einsum(spec, x, w.astype(x.dtype))
-    # Named, so that remat policies that keep matmul outputs can keep this one (`SAVEABLE`): a policy of
-    # dots sees the custom VJP's call, not the dot inside it.
     return checkpoint_name(_project(spec, w.dtype, x, w), SAVEABLE)
 
 
@@ -65,8 +68,6 @@ def _forward(
     spec: str, w_dtype: jnp.dtype, x: jax.Array, w: jax.Array
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     cast = w.astype(x.dtype)
-    # The cast weight is what the input gradient needs. Saving it, not `w`, lets XLA reuse the weight FSDP gathered
-    # for the forward; saving `w` made it gather every weight a second time in the backward.
     return jnp.einsum(spec, x, cast), (x, cast)
 
 
@@ -76,9 +77,8 @@ def _backward(
     x, cast = saved
     inputs, out = spec.split("->")
     x_dims, w_dims = inputs.split(",")
+    dy = unfused_on_cpu(dy)
     dx = jnp.einsum(f"{out},{w_dims}->{x_dims}", dy, cast.astype(dy.dtype))
-    # The activations are the dot's left operand: see the module's docstring. Written out first: recomputed under
-    # remat, their math would otherwise be fused into the slow transposing copy the dot asks for (`unfused_on_cpu`).
     dw = jnp.einsum(f"{x_dims},{out}->{w_dims}", unfused_on_cpu(x), dy)
     return dx.astype(x.dtype), dw.astype(w_dtype)
 

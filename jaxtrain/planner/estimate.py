@@ -42,6 +42,7 @@ import numpy as np
 from jaxtrain.analysis.chips import Chip
 from jaxtrain.data.datasets import make_dataset, model_data_args
 from jaxtrain.errors import UserInputError
+from jaxtrain.ops.plain import plain_kernels
 from jaxtrain.parallel.pipeline import PipelineError, StageLayout
 from jaxtrain.placement.place import place_model
 from jaxtrain.placement.plan import Plan
@@ -245,8 +246,10 @@ def _check_microbatches(shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, 
 
 def _abstract_plan(cfg: RunConfig, layout: MeshLayout, devices: int, stages: StageLayout | None = None) -> Plan:
     """The run's plan on an abstract mesh of `devices`: the same shardings a real run gets, nothing allocated;
-    `stages`: the pipeline's stage layout (how the stacked layers are stored)."""
-    placed = place_model(cfg.model_name, cfg.model, layout, cfg.rules, mesh=abstract_mesh(layout, devices))
+    `stages`: the pipeline's stage layout (how the stacked layers are stored). The model computes with plain kernels
+    (`jaxtrain.ops.plain`): loops under custom gradients are not read, their plain math is."""
+    model = plain_kernels(cfg.model)
+    placed = place_model(cfg.model_name, model, layout, cfg.rules, mesh=abstract_mesh(layout, devices))
     optimizer, _ = make_optimizer(cfg.optimizer, cfg.train.steps, placed.model.logical_names)
     return placed.plan(optimizer, stages, update_policy(cfg, placed.mesh))
 

@@ -23,7 +23,6 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
 
 from jaxtrain.analysis.comm_report import SEND_SHARE
-from jaxtrain.ops.plain import plain_math
 from jaxtrain.placement.plan import Plan
 from jaxtrain.planner.layouts import Flow, Shares, Spec, body_of, scan_parts, spec_entries, walk
 from jaxtrain.planner.residuals import held_residuals
@@ -101,7 +100,7 @@ class StepTrace:
         self.flops, self.matmul_bytes = total.flops, total.matmul_bytes
 
     def _trace(self, fn: Any, args: Sequence[Any] | None = None) -> ClosedJaxpr:
-        with activation_sharding(self.plan.mesh, self.plan.rules), plain_math():
+        with activation_sharding(self.plan.mesh, self.plan.rules):
             return jax.make_jaxpr(fn)(*(args or self.args))
 
     def saved_bytes(self) -> float:

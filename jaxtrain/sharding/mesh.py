@@ -26,13 +26,23 @@ from jaxtrain.errors import UserInputError
 from jaxtrain.files import read_bytes, utf8_text
 
 # Slowest links first, fastest last: `tensor` talks every layer, `data` once per step. `replica` is data parallelism
-# across the slowest links (hosts, slices): the batch is split over it as over `data`, but gradient synchronisation can
-# treat it apart (grad_sync=hierarchical reduces inside the faster axes first). `context` splits the sequence (context
-# parallelism): its ring attention passes key/value blocks between neighbours every layer, so it sits next to
-# `tensor`, among the fast links.
+# across the slowest links (hosts, slices): the batch is split over it as over `data`, but the gradient all-reduce
+# can treat it apart (allreduce.algorithm=hierarchical reduces inside the faster axes first). `context` splits the
+# sequence (context parallelism): its ring attention passes key/value blocks between neighbours every layer, so it
+# sits next to `tensor`, among the fast links.
 MESH_AXES = ("replica", "data", "pipeline", "fsdp", "expert", "context", "tensor")
-# The shipped layouts: meshes/ in a checkout, installed as the package data jaxtrain/meshes (pyproject.toml).
-MESHES_DIR = Path(str(importlib.resources.files("jaxtrain.meshes")))
+
+
+def _meshes_dir() -> Path:
+    """The shipped layouts: the package data jaxtrain/meshes where jaxtrain is installed (pyproject.toml maps meshes/
+    there), else the meshes/ folder of the checkout this module runs from (a copy not installed, e.g. on a device)."""
+    try:
+        return Path(str(importlib.resources.files("jaxtrain.meshes")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "meshes"
+
+
+MESHES_DIR = _meshes_dir()
 
 
 class MeshError(UserInputError):

@@ -11,7 +11,7 @@ Sections:
   compile    compile time of a 4-layer vs a 32-layer model (target ratio <= 1.5: layers are scanned)
   pipeline   measured bubble of each pipeline schedule vs theory, and activation memory (P = 2 and 4)
   checkpoint how long an async vs a sync save holds up the training loop; save/restore MB/s vs the disk's own speed
-  gradsync   seconds per gradient sync (xla, ring, hierarchical, parameter server, bf16 ring) for 1-64 MB, and bytes
+  gradsync   seconds per gradient sync (xla, ring, hierarchical, star, bf16 ring) for 1-64 MB, and bytes
              each device sends (from the HLO) vs the algorithm's analytic model (target: within 5%)
   maxtext    our GPT and Llama paths vs MaxText 0.2.5's decoder on the same shape and mesh, alternated, for each
              case of MAXTEXT_CASES (--maxtext-models; benchmarks/maxtext_baseline.sh); and per case our step against
@@ -86,7 +86,7 @@ def make(mesh: str, extra=(), devices=None):
 
 def stepper(run):
     """A function that runs `n` steps of `run` and returns seconds per step (state and batch kept on device)."""
-    state = run.plan.init_state(run.optimizer, 0)
+    state = run.shardings.init_state(run.optimizer, 0)
     batch = run.batch("train", 0)
     holder = {"state": state}
 
@@ -148,11 +148,11 @@ def minimal_step(run):
 
     from jaxtrain.sharding.constraints import activation_sharding
 
-    graphdef, optimizer, plan = run.plan.model.graphdef, run.optimizer, run.plan
+    graphdef, optimizer, shardings = run.shardings.model.graphdef, run.optimizer, run.shardings
 
     def step(state, batch):
         def loss(params):
-            with activation_sharding(plan.mesh, plan.rules):  # the model's own activation hints, as in ours
+            with activation_sharding(shardings.mesh, shardings.rules):  # the model's own activation hints, as in ours
                 return nnx.merge(graphdef, params).loss(batch)[0]
 
         value, grads = jax.value_and_grad(loss)(state["params"])
@@ -163,8 +163,8 @@ def minimal_step(run):
     batch_sharding = run.train_step.input_shardings[0][1]
     return jax.jit(
         step,
-        in_shardings=(plan.state_shardings, batch_sharding),
-        out_shardings=(plan.state_shardings, plan.replicated),
+        in_shardings=(shardings.state_shardings, batch_sharding),
+        out_shardings=(shardings.state_shardings, shardings.replicated),
         donate_argnums=0,
     )
 
@@ -280,7 +280,7 @@ def bench_pipeline(args, peak) -> dict:
                 extra = [f"schedule={name}", f"microbatches={microbatches}", f"virtual_stages={virtual}"]
                 cases[f"{name},M={microbatches}"] = (f"pipeline={stages}", extra, microbatches)
         for microbatches in (stages, 4 * stages):
-            accumulate = [f"grad_accum={microbatches // stages}", "grad_sync=fused"]
+            accumulate = [f"grad_accum={microbatches // stages}", "allreduce.algorithm=fused"]
             cases[f"ideal,M={microbatches}"] = (f"data={stages}", accumulate, None)
         runs = {
             key: make(mesh, [*PIPELINE_SHAPE, f"batch_size={batch}", *extra], devices=devices)
@@ -331,11 +331,11 @@ def bench_checkpoint(args, peak) -> dict:
     from jaxtrain.training.checkpoint import Checkpoints, restore
 
     run = make(args.checkpoint_mesh, CHECKPOINT_SHAPE)
-    state, batch = run.plan.init_state(run.optimizer, 0), run.batch("train", 0)
+    state, batch = run.shardings.init_state(run.optimizer, 0), run.batch("train", 0)
     for _ in range(2):
         state, metrics = run.train_step(state, batch)
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(run.plan.state_in_model_order(state)))
-    abstract = run.plan.abstract_model_state()
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(run.shardings.state_in_model_order(state)))
+    abstract = run.shardings.abstract_model_state()
     holder = {"state": state}
 
     def loop(checkpoints, step: int) -> float:
@@ -344,7 +344,7 @@ def bench_checkpoint(args, peak) -> dict:
         for i in range(args.steps):
             holder["state"], metrics = run.train_step(holder["state"], batch)
             if checkpoints and i == 0:
-                checkpoints.save(step, run.plan.state_in_model_order(holder["state"]), {"step": step})
+                checkpoints.save(step, run.shardings.state_in_model_order(holder["state"]), {"step": step})
         jax.block_until_ready(metrics)
         seconds = time.perf_counter() - start
         if checkpoints:
@@ -366,14 +366,14 @@ def bench_checkpoint(args, peak) -> dict:
         first = {}
         for mode, checkpoints in managers.items():  # the first save of a process compiles Orbax's slicing ops
             start = time.perf_counter()
-            checkpoints.save(1, run.plan.state_in_model_order(state), {"step": 1})
+            checkpoints.save(1, run.shardings.state_in_model_order(state), {"step": 1})
             checkpoints.wait()
             first[mode] = round(time.perf_counter() - start, 3)
         loop(None, 0)  # warm-up
         for step in range(2, 2 * args.rounds + 2, 2):  # odd steps are the saves inside the timed loop
             sample("loop", loop(None, 0))
             for mode, checkpoints in managers.items():
-                saved = run.plan.state_in_model_order(holder["state"])
+                saved = run.shardings.state_in_model_order(holder["state"])
                 jax.block_until_ready(saved)
                 start = time.perf_counter()
                 checkpoints.save(step, saved, {"step": step})
@@ -455,7 +455,7 @@ MAXTEXT_CASES = {
     "gpt-pipeline": MaxTextCase(
         "gpt-cpu",
         "pipeline=2,fsdp=4",
-        ours=("batch_size=16", "train.schedule=gpipe", "train.microbatches=4"),
+        ours=("batch_size=16", "pipeline.schedule=gpipe", "pipeline.microbatches=4"),
         theirs=(
             *MAXTEXT_GPT,
             "ici_pipeline_parallelism=2",
@@ -558,8 +558,8 @@ SYNC_CASES: dict[str, tuple[str, dict | None]] = {
     "xla": ("data=-1", None),
     "ring": ("data=-1", {"algorithm": "ring"}),
     "hierarchical": ("replica=2,data=-1", {"algorithm": "hierarchical"}),
-    "parameter_server": ("data=-1", {"algorithm": "parameter_server"}),
-    "parameter_server_2": ("data=-1", {"algorithm": "parameter_server", "servers": 2}),
+    "star": ("data=-1", {"algorithm": "star"}),
+    "star_2": ("data=-1", {"algorithm": "star", "hubs": 2}),
     "ring_bf16": ("data=-1", {"algorithm": "ring", "compression": "bf16"}),
 }
 WITHIN = 0.05  # measured bytes per device must match the analytic model this closely
@@ -587,15 +587,15 @@ def sync_program(mesh: Mesh, sync: GradientSync | None, values: int) -> jax.stag
 
 def sync_bytes(compiled: jax.stages.Compiled, mesh: Mesh, sync: GradientSync | None, nbytes: int) -> dict:
     """Bytes each device sends per sync, read from the compiled HLO, against the analytic model: the mean over
-    devices, and for the parameter server also the busiest device (a server), where its cost lies."""
+    devices, and for star also the busiest device (a hub), where its cost lies."""
     from jaxtrain.analysis.comm_report import Expected, communication_report
 
     report, n = communication_report(compiled, mesh), mesh.size
     # XLA's all-reduce is modelled as bandwidth-optimal, as the report models every all-reduce.
     levels = sync.expected(nbytes) if sync else [Expected("all-reduce", 2 * (n - 1) / n * nbytes)]
     expected, measured = {"mean": sum(e.bytes for e in levels)}, {"mean": report.per_device.mean()}
-    if sync and sync.algorithm == "parameter_server":
-        expected["max"] = sync.server_bytes(nbytes)
+    if sync and sync.algorithm == "star":
+        expected["max"] = sync.hub_bytes(nbytes)
         measured["max"] = report.per_device.max()
     if len(levels) > 1:  # hierarchical: its point is how little crosses the groups, so check each level apart
         expected |= {e.label: e.bytes for e in levels}
@@ -739,9 +739,9 @@ def context_bytes(run) -> dict:
     from jaxtrain.planner.context import context_attention_bytes
     from jaxtrain.planner.estimate import estimate
 
-    report = communication_report(run.train_step, run.plan.mesh)
-    attention = context_attention_bytes(run.cfg, run.plan)
-    planned = estimate(run.cfg, chip("v5p"), run.plan.mesh.size, compiler="cpu")
+    report = communication_report(run.train_step, run.shardings.mesh)
+    attention = context_attention_bytes(run.cfg, run.shardings)
+    planned = estimate(run.cfg, chip("v5p"), run.shardings.mesh.size, compiler="cpu")
     return {
         "compiled": report.measured(("context",)),
         "planner": sum(t.bytes for t in planned.transfers if t.axes == ("context",)),
@@ -767,7 +767,7 @@ def bench_context(args, peak) -> dict:
             name: {
                 "step_time_s": round(times[name], 4),
                 "temp_mb": round(run.train_step.memory_analysis().temp_size_in_bytes / 1e6, 1),
-                **({"context_bytes": context_bytes(run)} if run.plan.mesh.shape["context"] > 1 else {}),
+                **({"context_bytes": context_bytes(run)} if run.shardings.mesh.shape["context"] > 1 else {}),
             }
             for name, run in runs.items()
         }
@@ -815,7 +815,7 @@ def tokenize_rate(tokenizer: Path, inputs: list[Path], out: Path, workers: int) 
 
 def fresh_batch_stepper(run):
     """Seconds per step of `run`, each step on its own batch built by the loader, as the training loop does."""
-    state, at = {"state": run.plan.init_state(run.optimizer, 0)}, {"step": 0}
+    state, at = {"state": run.shardings.init_state(run.optimizer, 0)}, {"step": 0}
 
     def timed(n: int) -> float:
         start = time.perf_counter()
@@ -932,10 +932,10 @@ def hf_child(call: str, processes: int, devices: int) -> dict:
 def write_random_hf(directory: Path, cfg) -> tuple[int, int]:
     """A Hugging Face directory of `cfg.model` with random bfloat16 weights; (its weight bytes, its largest)."""
     from jaxtrain.interop.exporting import write_hf
-    from jaxtrain.interop.importing import params_plan
+    from jaxtrain.interop.importing import params_shardings
 
     rng = np.random.default_rng(0)
-    abstract = params_plan(cfg, "data=1", jax.devices()[:1]).abstract_state["params"]
+    abstract = params_shardings(cfg, "data=1", jax.devices()[:1]).abstract_state["params"]
     params = jax.tree.map(
         lambda x: (rng.standard_normal(x.shape, np.float32) * 0.02).astype(jax.numpy.bfloat16), abstract
     )

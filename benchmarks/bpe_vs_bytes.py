@@ -38,7 +38,7 @@ def nats_per_byte(summary: dict, stream: np.ndarray, n_bytes: int) -> float:
     seq_len, batch_size = run.cfg.data.seq_len, run.cfg.data.batch_size
     windows = np.stack([stream[i : i + seq_len + 1] for i in range(0, len(stream) - seq_len - 1, seq_len)])
     shape = jax.ShapeDtypeStruct((batch_size, seq_len + 1), np.int32)
-    sharding = run.plan.abstract_batch({"tokens": shape})["tokens"].sharding
+    sharding = run.shardings.abstract_batch({"tokens": shape})["tokens"].sharding
     losses = []
     for start in range(0, len(windows) - batch_size + 1, batch_size):
         batch = {"tokens": jax.device_put(windows[start : start + batch_size].astype(np.int32), sharding)}

@@ -28,12 +28,12 @@ SHARED_DATA = ROOT.parent / "shared" / "data"  # beside the checkout, where the 
 os.environ.setdefault("JAXTRAIN_DATA_DIR", str(SHARED_DATA))
 
 POLICIES = {
-    "synchronous": ["sync=synchronous"],
-    "local_sgd H=4": ["sync=local_sgd", "sync_every=4"],
-    "local_sgd H=16": ["sync=local_sgd", "sync_every=16"],
-    "diloco H=16": ["sync=diloco", "sync_every=16"],
-    "stale tau=1": ["sync=stale", "staleness=1"],
-    "stale tau=4": ["sync=stale", "staleness=4"],
+    "synchronous": ["updates.policy=synchronous"],
+    "local_sgd H=4": ["updates.policy=local_sgd", "updates.average_every=4"],
+    "local_sgd H=16": ["updates.policy=local_sgd", "updates.average_every=16"],
+    "diloco H=16": ["updates.policy=diloco", "updates.average_every=16"],
+    "stale tau=1": ["updates.policy=stale", "staleness=1"],
+    "stale tau=4": ["updates.policy=stale", "staleness=4"],
 }
 PARTITIONS = ("uniform", "stratified", "by_label")
 
@@ -57,14 +57,15 @@ def bytes_per_sync(setup) -> float:
     """Bytes each device sends across replicas each time the replicas meet (every step unless local)."""
     from jaxtrain.analysis.comm_report import communication_report
 
-    return communication_report(setup.train_step, setup.plan.mesh).measured(("replica",))
+    return communication_report(setup.train_step, setup.shardings.mesh).measured(("replica",))
 
 
-def syncs_by(step: int, train) -> int:
-    """How many times the replicas have met after `step` steps of a run whose config is `train` (local policies
-    meet every `sync_every` steps and at the last one, the others every step)."""
-    every = train.sync_every if train.sync in ("local_sgd", "diloco") else 1
-    return step // every + (1 if step == train.steps and train.steps % every else 0)
+def syncs_by(step: int, cfg) -> int:
+    """How many times the replicas have met after `step` steps of run `cfg` (local policies meet every
+    `updates.average_every` steps and at the last one, the others every step)."""
+    every = cfg.updates.average_every if cfg.updates.policy in ("local_sgd", "diloco") else 1
+    steps = cfg.train.steps
+    return step // every + (1 if step == steps and steps % every else 0)
 
 
 def policies(args) -> dict:
@@ -82,9 +83,9 @@ def policies(args) -> dict:
             "bytes_per_sync": per_sync,
             "step": [r["step"] for r in points],
             "val_loss": [round(r["val_loss"], 4) for r in points],
-            "bytes_sent": [syncs_by(r["step"], setup.cfg.train) * per_sync for r in points],
+            "bytes_sent": [syncs_by(r["step"], setup.cfg) * per_sync for r in points],
             "final_val_loss": round(points[-1]["val_loss"], 4),
-            "total_mb_sent": round(syncs_by(args.steps, setup.cfg.train) * per_sync / 1e6, 2),
+            "total_mb_sent": round(syncs_by(args.steps, setup.cfg) * per_sync / 1e6, 2),
             "step_time_s": round(summary["step_time_s"], 4),
         }
     return {"data": source, "mesh": "replica=8", "steps": args.steps, "curves": curves}
@@ -99,13 +100,13 @@ def partitions(args) -> dict:
     for sync in ("synchronous", "local_sgd"):
         for partition in PARTITIONS:
             log(f"partitions: {sync} {partition}")
-            overrides = [*base, f"sync={sync}", "sync_every=16", f"data.partition={partition}"]
+            overrides = [*base, f"updates.policy={sync}", "updates.average_every=16", f"data.partition={partition}"]
             accuracy = [run("mlp", [*overrides, f"seed={seed}"])[0]["val_accuracy"] for seed in args.seeds]
             table.setdefault(sync, {})[partition] = {
                 "val_accuracy": [round(a, 4) for a in accuracy],
                 "mean": round(statistics.mean(accuracy), 4),
             }
-    return {"model": "mlp (digits)", "mesh": "replica=8", "steps": args.digit_steps, "sync_every": 16, **table}
+    return {"model": "mlp (digits)", "mesh": "replica=8", "steps": args.digit_steps, "average_every": 16, **table}
 
 
 def plot(report: dict, path: Path) -> str:

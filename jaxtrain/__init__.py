@@ -14,7 +14,7 @@ The API: `config`, `train`, `plan`, `use_simulated_devices`, `enable_compilation
 load on first use.
 
 For an application with a loop of its own (scripts/alphazero.py: self-play, a replay buffer, a learner), the pieces
-`train` is made of: `build` (the run's mesh, plan, data and compiled step, as a `Setup`), and the checkpoint and
+`train` is made of: `build` (the run's mesh, shardings, data and compiled step, as a `Run`), and the checkpoint and
 resume code every run shares: `run_lock`, `check_resume`, `open_checkpoints`, `resume`, `save_checkpoint`,
 `Progress` and `stop_signals` (an application's own trees and settings go in the same checkpoints).
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from jaxtrain.data.tokenizer import train_bpe
     from jaxtrain.formatting import fmt_bytes as format_bytes
     from jaxtrain.inference.generate import Generator
-    from jaxtrain.placement.model import PlanError
+    from jaxtrain.placement.model import PlacementError
     from jaxtrain.run_config import RunConfig
     from jaxtrain.training.checkpoint import CheckpointWriteError, describe_checkpoint
     from jaxtrain.training.checkpoint import restore as restore_checkpoint
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "RunConfig": "jaxtrain.run_config",
     "train": "jaxtrain.training.loop",
-    "PlanError": "jaxtrain.placement.model",
+    "PlacementError": "jaxtrain.placement.model",
     "Preempted": "jaxtrain.training.recovery",
     "CheckpointWriteError": "jaxtrain.training.checkpoint",
     # An application's own loop (scripts/alphazero.py) is built from these.
@@ -95,7 +95,7 @@ __all__ = [
     "Generator",
     "ModelRegistrationError",
     "ModelSpec",
-    "PlanError",
+    "PlacementError",
     "Preempted",
     "Progress",
     "RunConfig",
@@ -143,7 +143,7 @@ def config(
     (20, 0.001, 'data=2,tensor=2')
     >>> config(cfg, mesh="cpu8-data").mesh
     'cpu8-data'
-    >>> config("runs/a/ckpt/config.toml", checkpoint_dir="runs/b/ckpt")                # doctest: +SKIP
+    >>> config("runs/a/ckpt/config.toml", **{"checkpoint.dir": "runs/b/ckpt"})              # doctest: +SKIP
     >>> config("gpt-tiny", stpes=20)
     Traceback (most recent call last):
     jaxtrain.errors.ConfigError: unknown config key 'stpes'. Did you mean: steps, dtype?

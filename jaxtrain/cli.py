@@ -104,19 +104,19 @@ CONFIG_FLAGS = (
     ("--seq-len", "data.seq_len", {"type": int}),
     ("--data", "data.source", {"help": "builtin | synthetic | digits | clicks | tokens:DIR | path/to/text.txt"}),
     ("--seed", "train.seed", {"type": int}),
-    ("--metrics-file", "train.metrics_file", {"help": "append one JSON object per logged step to this file"}),
+    ("--metrics-file", "tracking.metrics_file", {"help": "append one JSON object per logged step to this file"}),
     (
         "--tensorboard-dir",
-        "train.tensorboard_dir",
+        "tracking.tensorboard_dir",
         {"help": "also write the logged metrics as TensorBoard scalars here (needs tensorboardX)"},
     ),
-    ("--wandb-project", "train.wandb_project", {"help": "also log the metrics to this W&B project (needs wandb)"}),
+    ("--wandb-project", "tracking.wandb_project", {"help": "also log the metrics to this W&B project (needs wandb)"}),
     (
         "--profile-steps",
-        "train.profile_steps",
+        "tracking.profile_steps",
         {"metavar": "START:STOP", "help": "trace steps START to STOP-1 with jax.profiler (e.g. 10:13)"},
     ),
-    ("--profile-dir", "train.profile_dir", {"help": "where the trace goes (TensorBoard's profile plugin, XProf)"}),
+    ("--profile-dir", "tracking.profile_dir", {"help": "where the trace goes (TensorBoard's profile plugin, XProf)"}),
     ("--log-every", "train.log_every", {"type": int}),
     ("--eval-every", "train.eval_every", {"type": int}),
     (
@@ -126,37 +126,37 @@ CONFIG_FLAGS = (
     ),
     (
         "--schedule",
-        "train.schedule",
+        "pipeline.schedule",
         {"help": "pipeline schedule when the mesh has a pipeline axis: gpipe | 1f1b (default) | interleaved"},
     ),
     (
         "--microbatches",
-        "train.microbatches",
+        "pipeline.microbatches",
         {"type": int, "help": "pipeline microbatches per step (default: one per stage)"},
     ),
     (
         "--virtual-stages",
-        "train.virtual_stages",
+        "pipeline.virtual_stages",
         {"type": int, "help": "interleaved schedule: layer chunks per device (V)"},
     ),
     (
         "--checkpoint-dir",
-        "train.checkpoint_dir",
+        "checkpoint.dir",
         {"help": "save checkpoints and the run's config.toml here; rerunning the same command resumes from the newest"},
     ),
     (
         "--checkpoint-every",
-        "train.checkpoint_every",
+        "checkpoint.every",
         {"type": int, "help": "steps between checkpoints (and one at the end)"},
     ),
     (
         "--restore",
-        "train.restore",
+        "checkpoint.restore",
         {"help": "start from this checkpoint step directory, or fine-tune from a params export, on any mesh"},
     ),
     (
         "--allow-config-change",
-        "train.allow_config_change",
+        "checkpoint.allow_change",
         {
             "metavar": "KEY,KEY",
             "help": "resume in --checkpoint-dir although these config keys differ from the checkpoint's (recorded)",
@@ -165,7 +165,7 @@ CONFIG_FLAGS = (
     # The asynchronous engine (jaxtrain.asynchronous, docs/asynchronous.md); engine.* keys set the rest.
     ("--engine", "engine.kind", {"help": "spmd (default): one program over the mesh; ray: parameter-server workers"}),
     ("--workers", "engine.workers", {"type": int, "help": "--engine ray: worker processes, each on its own mesh"}),
-    ("--ps-shards", "engine.ps_shards", {"type": int, "help": "--engine ray: parameter-server shards"}),
+    ("--ps-shards", "engine.server_shards", {"type": int, "help": "--engine ray: parameter-server shards"}),
     (
         "--slow-worker",
         "engine.slow_workers",
@@ -292,6 +292,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig | None:
     model the checkpoint or export stores (its preset, settings, data source and rules). Raises UserInputError for a
     bad key or value."""
     from jaxtrain.run_config import apply_overrides, describe_config, load_config
+    from jaxtrain.training.setup import with_data_vocab
 
     flags = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
     flags += [f"mesh={args.mesh}"] * bool(args.mesh)
@@ -302,6 +303,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig | None:
         cfg = apply_overrides(trained_config(*find_checkpoint(args.restore)), [*flags, *args.overrides])
     else:
         cfg = load_config(args.config, args.model, [*flags, *args.overrides])
+    cfg = with_data_vocab(cfg)  # the model's vocabulary from tokenized data: opening the data, not resolving keys
     if args.help_config:
         print(describe_config(cfg))
         return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# A checkpoint that could not be written (train.checkpoint_failure=stop, or the final save): EX_IOERR from
+# A checkpoint that could not be written (checkpoint.on_failure=stop, or the final save): EX_IOERR from
 # sysexits.h, so a wrapper can tell storage trouble (fix the disk, rerun: it resumes) from bad input (exit 2). The
 # command line returns it, and so does every process of a job whose save failed elsewhere (save_failure.py).
 CHECKPOINT_WRITE_FAILED_EXIT = 74

@@ -18,6 +18,11 @@ directory writes its own there as `config.toml`, which `load_config` reads back 
     [rules]                        # logical name -> mesh axes; a [rules.params] or [rules.activations] table sets one
     embed = "fsdp"
 
+The sections are the parts the components take: `model`, `optimizer`, `data`, `train` (the loop itself),
+`allreduce` (how gradients are averaged), `updates` (the update policy), `pipeline`, `checkpoint`, `tracking`
+(metrics and profiles) and `engine`. A key of an earlier version (`RENAMED`: most sat in `[train]`) is translated,
+with a notice on stderr.
+
 A top-level key may also name a field as an override does (`steps = 100`). Precedence, lowest first: the preset's
 defaults (`model_name`, or `--model`, which wins over the file's), the file, the command line's flags, its
 `key=value` overrides; within each a later value of a key wins, and a section's changes from all of them are checked
@@ -33,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import tomllib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -42,7 +48,6 @@ import tomli_w
 
 from jaxtrain.data.datasets import PARTITIONS
 from jaxtrain.data.packing import PACKINGS
-from jaxtrain.data.tokens import token_vocab
 from jaxtrain.errors import ConfigError, UserInputError
 from jaxtrain.files import read_bytes, utf8_text
 from jaxtrain.parallel.grad_sync import ALGORITHMS, COMPRESSIONS
@@ -148,51 +153,13 @@ WANDB_MODES = ("auto", "online", "offline")  # auto: online where W&B credential
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(Settings):
+    """What the training loop itself takes: its length, batches per step, seed, logging, validation, rollback and
+    how it reports."""
+
     section: ClassVar[str] = "train"
 
     steps: int = setting(200, "optimizer steps of the whole run", at_least=1)
     grad_accum: int = setting(1, "sequential pieces of the global batch per optimizer step", at_least=1)
-    # How gradients are averaged over the data-parallel axes. xla: the compiler places the reductions (per layer,
-    # inside the backward loop, where they can overlap compute). fused: one all-reduce of the whole gradient per
-    # step. ring | hierarchical | parameter_server: explicit algorithms (jaxtrain/parallel/grad_sync.py), in buckets of
-    # grad_bucket_mb, over ps_servers servers, with messages in grad_compression (none | bf16). All but xla need
-    # every parameter replicated over the data-parallel axes.
-    grad_sync: str = setting("xla", "how gradients are averaged", choices=("xla", "fused", *ALGORITHMS))
-    grad_bucket_mb: float = setting(4.0, "explicit gradient syncs: MiB per bucket", above=0)
-    ps_servers: int = setting(1, "grad_sync=parameter_server: servers", at_least=1)
-    grad_compression: str = setting("none", "explicit gradient syncs: message dtype", choices=tuple(COMPRESSIONS))
-    # When gradients meet the params (jaxtrain/updates.py): synchronous | local_sgd | diloco | stale. local_sgd and
-    # diloco train each index of the `replica` mesh axis apart for sync_every steps, then average (diloco: an outer
-    # Nesterov step of outer_lr, outer_momentum); stale applies each gradient `staleness` steps late.
-    sync: str = setting("synchronous", "when gradients meet the params", choices=POLICIES)
-    sync_every: int = setting(4, "local_sgd, diloco: local steps between averages", at_least=1)
-    staleness: int = setting(1, "sync=stale: steps a gradient arrives late", at_least=0)
-    outer_lr: float = setting(0.7, "diloco: the outer Nesterov step", above=0)
-    outer_momentum: float = setting(0.9, "diloco: the outer momentum", at_least=0, below=1)
-    # Pipeline parallelism, used when the mesh has a pipeline axis: the schedule (gpipe | 1f1b | interleaved),
-    # microbatches per step (0: one per stage), chunks per device for interleaved, and how layers are assigned to
-    # stages (cost: balance estimated FLOPs, counting the embedding and head; uniform: equal layer counts), and
-    # what each forward keeps for its backward (residuals: autodiff's; inputs: the stage input, recomputing).
-    schedule: str = setting("1f1b", "pipeline schedule", choices=SCHEDULES)
-    microbatches: int = setting(0, "pipeline microbatches per step; 0: one per stage", at_least=0)
-    virtual_stages: int = setting(1, "interleaved schedule: layer chunks per device", at_least=1)
-    stage_balance: str = setting("cost", "how layers are assigned to pipeline stages", choices=("cost", "uniform"))
-    pipeline_stash: str = setting(
-        "residuals", "what a pipeline forward keeps for its backward", choices=("residuals", "inputs")
-    )
-    # Checkpoints (jaxtrain.training.checkpoint): a directory turns them on; the same command resumes from its
-    # newest one.
-    checkpoint_dir: str = setting("", "save checkpoints here and resume from the newest; empty: no checkpoints")
-    checkpoint_every: int = setting(100, "steps between checkpoints; 0: only at the end", at_least=0)
-    checkpoint_keep: int = setting(3, "how many of the newest checkpoints are kept", at_least=1)
-    checkpoint_keep_every: int = setting(0, "also keep every M-th step's checkpoint; 0: none", at_least=0)
-    restore: str = setting("", "start from this checkpoint step directory when checkpoint_dir has none")
-    # Comma-separated config keys that may differ from the checkpoint's when resuming in checkpoint_dir (e.g.
-    # "optimizer.learning_rate,train.steps"); the change is recorded in the run's history. Empty: none may.
-    allow_config_change: str = setting("", "config keys that may differ from the checkpoint's, comma-separated")
-    # A save that fails (disk full, permission denied): stop the run (exit 74, the previous checkpoint intact), or
-    # continue, log it, and try again at the next save. The final save must succeed either way.
-    checkpoint_failure: str = setting("stop", "what a failed save does", choices=("stop", "continue"))
     # Updates with a non-finite loss or gradient are skipped and counted; this many in a row restore the newest
     # checkpoint and skip the batches since (0: never roll back).
     rollback_after: int = setting(10, "non-finite steps in a row before a rollback; 0: never", at_least=0)
@@ -200,6 +167,86 @@ class TrainConfig(Settings):
     eval_every: int = setting(100, "steps between validations", at_least=1)
     eval_batches: int = setting(4, "batches per validation", at_least=1)
     seed: int = setting(0, "seeds the params and the data order", at_least=0)
+    progress: bool = setting(True, "a progress bar, not log lines")
+    verbose: bool = setting(False, "the preflight's full tables (parameters, device grid, collectives)")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceConfig(Settings):
+    """How gradients are averaged over the data-parallel axes (jaxtrain/parallel/grad_sync.py)."""
+
+    section: ClassVar[str] = "allreduce"
+
+    # xla: the compiler places the reductions (per layer, inside the backward loop, where they can overlap compute).
+    # fused: one all-reduce of the whole gradient per step. ring | hierarchical | star: explicit algorithms, in
+    # buckets of bucket_mb, with messages in `compression` (none | bf16); star: every device sends each shard of its
+    # gradient to one of `hubs` devices, which sum and send the sum back. All but xla need every parameter
+    # replicated over the data-parallel axes.
+    algorithm: str = setting("xla", "how gradients are averaged", choices=("xla", "fused", *ALGORITHMS))
+    bucket_mb: float = setting(4.0, "explicit algorithms: MiB per bucket", above=0)
+    hubs: int = setting(1, "algorithm=star: devices that sum the shards", at_least=1)
+    compression: str = setting("none", "explicit algorithms: message dtype", choices=tuple(COMPRESSIONS))
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatesConfig(Settings):
+    """The update policy: when gradients meet the params (jaxtrain/parallel/updates.py)."""
+
+    section: ClassVar[str] = "updates"
+
+    # synchronous | local_sgd | diloco | stale. local_sgd and diloco train each index of the `replica` mesh axis
+    # apart for average_every steps, then average (diloco: an outer Nesterov step of outer_lr, outer_momentum);
+    # stale applies each gradient `staleness` steps late.
+    policy: str = setting("synchronous", "when gradients meet the params", choices=POLICIES)
+    average_every: int = setting(4, "local_sgd, diloco: local steps between averages", at_least=1)
+    staleness: int = setting(1, "policy=stale: steps a gradient arrives late", at_least=0)
+    outer_lr: float = setting(0.7, "diloco: the outer Nesterov step", above=0)
+    outer_momentum: float = setting(0.9, "diloco: the outer momentum", at_least=0, below=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig(Settings):
+    """Pipeline parallelism, used when the mesh has a pipeline axis (jaxtrain/parallel/pipeline.py)."""
+
+    section: ClassVar[str] = "pipeline"
+
+    # The schedule (gpipe | 1f1b | interleaved), microbatches per step (0: one per stage), chunks per device for
+    # interleaved, and how layers are assigned to stages (cost: balance estimated FLOPs, counting the embedding and
+    # head; uniform: equal layer counts), and what each forward keeps for its backward (residuals: autodiff's;
+    # inputs: the stage input, recomputing).
+    schedule: str = setting("1f1b", "pipeline schedule", choices=SCHEDULES)
+    microbatches: int = setting(0, "pipeline microbatches per step; 0: one per stage", at_least=0)
+    virtual_stages: int = setting(1, "interleaved schedule: layer chunks per device", at_least=1)
+    balance: str = setting("cost", "how layers are assigned to pipeline stages", choices=("cost", "uniform"))
+    stash: str = setting("residuals", "what a pipeline forward keeps for its backward", choices=("residuals", "inputs"))
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(Settings):
+    """Checkpoints (jaxtrain.training.checkpoint): a directory turns them on; the same command resumes from its
+    newest one."""
+
+    section: ClassVar[str] = "checkpoint"
+
+    dir: str = setting("", "save checkpoints here and resume from the newest; empty: no checkpoints")
+    every: int = setting(100, "steps between checkpoints; 0: only at the end", at_least=0)
+    keep: int = setting(3, "how many of the newest checkpoints are kept", at_least=1)
+    keep_every: int = setting(0, "also keep every M-th step's checkpoint; 0: none", at_least=0)
+    restore: str = setting("", "start from this checkpoint step directory when checkpoint.dir has none")
+    # Comma-separated config keys that may differ from the checkpoint's when resuming in checkpoint.dir (e.g.
+    # "optimizer.learning_rate,train.steps"); the change is recorded in the run's history. Empty: none may.
+    allow_change: str = setting("", "config keys that may differ from the checkpoint's, comma-separated")
+    # A save that fails (disk full, permission denied): stop the run (exit 74, the previous checkpoint intact), or
+    # continue, log it, and try again at the next save. The final save must succeed either way.
+    on_failure: str = setting("stop", "what a failed save does", choices=("stop", "continue"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackingConfig(Settings):
+    """What the run records besides checkpoints: metrics (JSONL, TensorBoard, W&B) and profiles."""
+
+    section: ClassVar[str] = "tracking"
+
     metrics_file: str = setting("", "append one JSON object per logged step to this file")
     tensorboard_dir: str = setting("", "also write the logged metrics as TensorBoard scalars here (tensorboardX)")
     wandb_project: str = setting("", "also log the metrics to this Weights & Biases project; empty: no W&B")
@@ -209,8 +256,6 @@ class TrainConfig(Settings):
     wandb_dir: str = setting("", "W&B's local files; empty: the checkpoint directory, else the working directory")
     profile_steps: str = setting("", "trace steps START:STOP-1 with jax.profiler (e.g. 10:13); empty: none")
     profile_dir: str = setting("", "where the profile_steps trace goes (and a device memory profile on OOM)")
-    progress: bool = setting(True, "a progress bar, not log lines")
-    verbose: bool = setting(False, "the preflight's full tables (parameters, device grid, collectives)")
 
 
 ENGINES = ("spmd", "ray")
@@ -222,7 +267,7 @@ STALENESS_LR = ("none", "inverse")
 class EngineConfig(Settings):
     """How the run executes. `spmd`: one SPMD program over the mesh, every device in lockstep (`jaxtrain train`'s
     loop). `ray`: a parameter-server job on Ray (`jaxtrain.asynchronous`): `workers` JAX processes, each on its own
-    mesh (`mesh`, over `devices_per_worker` devices), compute gradients at their own pace; `ps_shards` server shards
+    mesh (`mesh`, over `devices_per_worker` devices), compute gradients at their own pace; `server_shards` shards
     hold the params and optimizer state and apply each gradient as it arrives (`mode=async`), or the mean of one
     gradient per worker (`mode=sync`, the lockstep baseline)."""
 
@@ -233,7 +278,7 @@ class EngineConfig(Settings):
         "async", "ray: async applies each gradient on arrival; sync the mean of one per worker", choices=ENGINE_MODES
     )
     workers: int = setting(2, "ray: worker processes computing gradients", at_least=1)
-    ps_shards: int = setting(1, "ray: parameter-server shards, each holding a part of the params", at_least=1)
+    server_shards: int = setting(1, "ray: parameter-server shards, each holding a part of the params", at_least=1)
     devices_per_worker: int = setting(1, "ray: simulated CPU devices of each worker's mesh (local runs)", at_least=1)
     pull_every: int = setting(1, "ray: a worker pulls fresh params every K of its gradients", at_least=1)
     max_staleness: int = setting(
@@ -286,10 +331,26 @@ class RunConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    allreduce: AllReduceConfig = AllReduceConfig()
+    updates: UpdatesConfig = UpdatesConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
     engine: EngineConfig = EngineConfig()
 
 
-SECTIONS = ("model", "optimizer", "data", "train", "engine")
+SECTIONS = (
+    "model",
+    "optimizer",
+    "data",
+    "train",
+    "allreduce",
+    "updates",
+    "pipeline",
+    "checkpoint",
+    "tracking",
+    "engine",
+)
 
 
 # The data a model trains on by default, by its task; language models take DataConfig()'s.
@@ -306,6 +367,100 @@ def default_config(model: str = "gpt") -> RunConfig:
     return RunConfig(model_name=f"{spec.name}-{preset}", model=spec.presets[preset](), data=data)
 
 
+# Keys renamed when TrainConfig was split into the parts each component takes (one word, one meaning: "sync" had
+# named the update policy, the all-reduce algorithm and the Ray engine's lockstep mode). Old full key -> new full key.
+# Why translate and not refuse: a run's own config.toml and the checkpoints earlier versions wrote (their stored
+# config) must keep resuming, and a user's scripts keep working while a notice names the new key.
+RENAMED: dict[str, str] = {
+    "train.grad_sync": "allreduce.algorithm",
+    "train.grad_bucket_mb": "allreduce.bucket_mb",
+    "train.ps_servers": "allreduce.hubs",
+    "train.grad_compression": "allreduce.compression",
+    "train.sync": "updates.policy",
+    "train.sync_every": "updates.average_every",
+    "train.staleness": "updates.staleness",
+    "train.outer_lr": "updates.outer_lr",
+    "train.outer_momentum": "updates.outer_momentum",
+    "train.schedule": "pipeline.schedule",
+    "train.microbatches": "pipeline.microbatches",
+    "train.virtual_stages": "pipeline.virtual_stages",
+    "train.stage_balance": "pipeline.balance",
+    "train.pipeline_stash": "pipeline.stash",
+    "train.checkpoint_dir": "checkpoint.dir",
+    "train.checkpoint_every": "checkpoint.every",
+    "train.checkpoint_keep": "checkpoint.keep",
+    "train.checkpoint_keep_every": "checkpoint.keep_every",
+    "train.restore": "checkpoint.restore",
+    "train.allow_config_change": "checkpoint.allow_change",
+    "train.checkpoint_failure": "checkpoint.on_failure",
+    "train.metrics_file": "tracking.metrics_file",
+    "train.tensorboard_dir": "tracking.tensorboard_dir",
+    "train.wandb_project": "tracking.wandb_project",
+    "train.wandb_mode": "tracking.wandb_mode",
+    "train.wandb_dir": "tracking.wandb_dir",
+    "train.profile_steps": "tracking.profile_steps",
+    "train.profile_dir": "tracking.profile_dir",
+    "engine.ps_shards": "engine.server_shards",
+}
+# Values renamed with them: (new key, old value) -> new value.
+RENAMED_VALUES: dict[tuple[str, str], str] = {("allreduce.algorithm", "parameter_server"): "star"}
+
+
+def _new_short_names() -> set[str]:
+    return {
+        f.name
+        for cls in (
+            TrainConfig,
+            AllReduceConfig,
+            UpdatesConfig,
+            PipelineConfig,
+            CheckpointConfig,
+            TrackingConfig,
+            EngineConfig,
+        )
+        for f in dataclasses.fields(cls)
+    }
+
+
+# Old short names (`grad_sync`, `sync`, `checkpoint_dir`) -> new full keys; a short name that is still a field's
+# (`staleness`, `schedule`, `restore`) is no old key: it resolves as it is.
+_RENAMED_SHORT = {
+    old.split(".", 1)[1]: new for old, new in RENAMED.items() if old.split(".", 1)[1] not in _new_short_names()
+}
+
+
+def renamed_key(key: str) -> str | None:
+    """The new full key of old key `key`, given in full (`train.grad_sync`) or short (`grad_sync`, `sync`,
+    `checkpoint_dir`) -> `allreduce.algorithm`, `updates.policy`, `checkpoint.dir`; None for a key that is not an
+    old one. Files, `key=value` overrides, stored checkpoint configs and `checkpoint.allow_change` translate here."""
+    return RENAMED.get(key) or _RENAMED_SHORT.get(key)
+
+
+def translated(key: str, value: Any, notices: dict[str, str] | None, cfg: RunConfig | None = None) -> tuple[str, Any]:
+    """`key` and `value` under their new names where `key` is an old key (else as given); a key that is also one of
+    `cfg`'s (a registered model's own field named like an old key) is not translated. With `notices`, the
+    translation's one-line notice is recorded there under the old key (each old key once); without, it is silent
+    (a stored config)."""
+    new = renamed_key(key)
+    if new is None or (cfg is not None and _is_key(cfg, key)):
+        return key, value
+    if notices is not None:
+        notices.setdefault(key, f"notice: {key} is now {new} (translated; write the new name)")
+    if isinstance(value, str):
+        value = RENAMED_VALUES.get((new, value), value)
+    return new, value
+
+
+def _is_key(cfg: RunConfig, key: str) -> bool:
+    """Whether `key` names a field of `cfg`, in full or by its short name."""
+    return any(key in (full, full.split(".", 1)[1]) for full in _all_keys(cfg))
+
+
+def _print_notices(notices: dict[str, str]) -> None:
+    for line in notices.values():
+        print(line, file=sys.stderr)
+
+
 CONFIG_FILE = "config.toml"  # the name of the resolved config a run writes into its checkpoint directory
 MESH_HELP = "a layout name in meshes/, a .toml layout path, or inline axis sizes such as data=2,tensor=4"
 RULE_TABLES = ("params", "activations")  # rules.NAME sets both tables; rules.params.NAME one of them
@@ -319,17 +474,21 @@ def load_config(path: str | Path | None = None, model: str | None = None, overri
     then `overrides` (`key=value` strings). Raises `ConfigError` for any unknown key or bad value, before anything
     is built.
 
-    >>> cfg = load_config("runs/x/ckpt/config.toml", overrides=["train.checkpoint_dir=runs/y"])   # doctest: +SKIP
+    >>> cfg = load_config("runs/x/ckpt/config.toml", overrides=["checkpoint.dir=runs/y"])   # doctest: +SKIP
     """
     table = read_config_file(path) if path is not None else {}
     cfg = default_config(model) if model else _file_preset(table, path)
-    from_file = _checked(cfg, list(_file_changes(cfg, table, path)), f"config file '{path}'") if path else []
-    return _apply(cfg, [*from_file, *override_changes(cfg, overrides)])
+    notices: dict[str, str] = {}
+    from_file = _checked(cfg, list(_file_changes(cfg, table, path, notices)), f"config file '{path}'") if path else []
+    changes = [*from_file, *override_changes(cfg, overrides, notices)]
+    _print_notices(notices)  # one per old key, though the file and the command line both name it
+    return _apply(cfg, changes)
 
 
 def config_from_table(table: dict[str, Any], source: str) -> RunConfig:
     """The run config that `table` describes, in the shape a run config file has (`config_table`'s; also the JSON a
-    checkpoint's meta stores): its `model_name`'s preset, then the table's keys. `source` names it in errors."""
+    checkpoint's meta stores): its `model_name`'s preset, then the table's keys. `source` names it in errors. Keys
+    renamed since the table was written (`RENAMED`) are translated silently: a checkpoint keeps resuming."""
     cfg = _file_preset(table, source)
     return _apply(cfg, _checked(cfg, list(_file_changes(cfg, table, source)), f"config file '{source}'"))
 
@@ -342,19 +501,23 @@ def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
     return _apply(cfg, override_changes(cfg, overrides))
 
 
-def override_changes(cfg: RunConfig, overrides: Sequence[str]) -> Changes:
-    """`key=value` strings as checked changes of `cfg`; a `ConfigError` names every bad value."""
-    changes = []
+def override_changes(cfg: RunConfig, overrides: Sequence[str], notices: dict[str, str] | None = None) -> Changes:
+    """`key=value` strings as checked changes of `cfg`; a `ConfigError` names every bad value. An old key
+    (`RENAMED`) is translated, with a notice naming the new one: added to `notices`, or without, printed on stderr."""
+    changes, printed = [], notices is None
+    notices = {} if notices is None else notices
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep:
             raise ConfigError(f"override '{item}' is not key=value.")
-        key = key.strip()
+        key, text = translated(key.strip(), text, notices, cfg)
         if key == "mesh" or key.startswith("rules."):
             changes.append((key, text))
             continue
         section, name = resolve_key(cfg, key)
         changes.append((f"{section}.{name}", _parse_text(text, getattr(cfg, section), name, f"{section}.{name}")))
+    if printed:
+        _print_notices(notices)
     return _checked(cfg, changes)
 
 
@@ -436,19 +599,7 @@ def _apply(cfg: RunConfig, changes: Changes) -> RunConfig:
             section, name = key.split(".", 1)
             sections[section][name] = value
     parts = {section: _replace(getattr(cfg, section), given) for section, given in sections.items() if given}
-    cfg = dataclasses.replace(cfg, **top, **parts)
-    return cfg if "vocab_size" in sections["model"] else _vocab_of_data(cfg)
-
-
-def _vocab_of_data(cfg: RunConfig) -> RunConfig:
-    """`cfg` with the model's vocab_size set by its tokenized data (the tokenizer's, padded to a multiple of 128)
-    where the model has the preset's; a vocab_size set on purpose is kept (the dataset checks that it is enough)."""
-    d = cfg.data
-    vocab = token_vocab(d.source, d.path, d.mixture)
-    preset = getattr(default_config(cfg.model_name).model, "vocab_size", None)
-    if vocab is None or preset is None or cfg.model.vocab_size != preset:
-        return cfg
-    return dataclasses.replace(cfg, model=_replace(cfg.model, {"vocab_size": vocab}))
+    return dataclasses.replace(cfg, **top, **parts)
 
 
 def _replace(part: Any, changes: dict[str, Any]) -> Any:
@@ -489,29 +640,36 @@ def _file_preset(table: dict[str, Any], path: str | Path | None) -> RunConfig:
         raise ConfigError(f"config file '{path}': model_name={name!r}: {err}") from None
 
 
-def _file_changes(cfg: RunConfig, table: dict[str, Any], path: str | Path) -> Iterator[tuple[str, Any]]:
+def _file_changes(
+    cfg: RunConfig, table: dict[str, Any], path: str | Path, notices: dict[str, str] | None = None
+) -> Iterator[tuple[str, Any]]:
     """The changes the TOML `table` of file `path` makes to `cfg`, by key; `model_name` has chosen `cfg` already.
-    Unknown keys are a `ConfigError` naming the file and the closest keys."""
+    Unknown keys are a `ConfigError` naming the file and the closest keys. Old keys are translated (`translated`:
+    with a notice in `notices`, if given)."""
     for key, value in table.items():
         if key in SECTIONS or key == "rules":
             if not isinstance(value, dict):
                 raise ConfigError(f"config file '{path}': {key}={value!r}: expected a table ([{key}]) of keys.")
-            yield from _rule_changes(value, path) if key == "rules" else _section_changes(cfg, key, value, path)
+            yield from (
+                _rule_changes(value, path) if key == "rules" else _section_changes(cfg, key, value, path, notices)
+            )
         elif isinstance(value, dict):
             close = difflib.get_close_matches(key, [*SECTIONS, "rules"], n=2)
             hint = f" Did you mean [{close[0]}]?" if close else f" Tables: {', '.join(SECTIONS)}, rules."
             raise ConfigError(f"config file '{path}': unknown table [{key}].{hint}")
         elif key != "model_name":
+            key, value = translated(key, value, notices, cfg)
             yield _file_key(cfg, key, value, path), value
 
 
 def _section_changes(
-    cfg: RunConfig, section: str, table: dict[str, Any], path: str | Path
+    cfg: RunConfig, section: str, table: dict[str, Any], path: str | Path, notices: dict[str, str] | None
 ) -> Iterator[tuple[str, Any]]:
-    part = getattr(cfg, section)
     for name, value in table.items():
-        key = _file_key(cfg, f"{section}.{name}", value, path)
-        yield key, float(value) if _kind(part, name) is float and type(value) is int else value
+        old, value = translated(f"{section}.{name}", value, notices, cfg)
+        key = _file_key(cfg, old, value, path)
+        part, field = key.split(".", 1)
+        yield key, float(value) if _kind(getattr(cfg, part), field) is float and type(value) is int else value
 
 
 def _file_key(cfg: RunConfig, key: str, value: Any, path: str | Path) -> str:
@@ -586,9 +744,9 @@ def _toml_value(value: Any, key: str) -> Any:
 def write_config(cfg: RunConfig) -> Path | None:
     """Write `cfg` as `config.toml` into its checkpoint directory, atomically (a reader sees the old file or the new
     one, never part of one), so that `jaxtrain train --config <it>` reruns the run. None without a directory."""
-    if not cfg.train.checkpoint_dir:
+    if not cfg.checkpoint.dir:
         return None
-    path = Path(cfg.train.checkpoint_dir) / CONFIG_FILE
+    path = Path(cfg.checkpoint.dir) / CONFIG_FILE
     header = (
         f"# The resolved config of the run in {path.parent}, as its latest start wrote it.\n"
         f"# Rerun it: jaxtrain train --config {path} [--checkpoint-dir ANOTHER] [key=value ...]\n"

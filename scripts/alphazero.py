@@ -83,10 +83,10 @@ def run_config(args: argparse.Namespace) -> jaxtrain.RunConfig:
     flags = [f"mesh={args.mesh}", f"steps={steps}", f"batch_size={args.batch_size}", f"seed={args.seed}",
              "learning_rate=1e-3", "warmup_steps=20"]  # fmt: skip
     if args.allow_config_change:
-        flags.append(f"train.allow_config_change={args.allow_config_change}")
+        flags.append(f"checkpoint.allow_change={args.allow_config_change}")
     if args.checkpoint_dir:
         every = args.checkpoint_every * args.learner_steps
-        flags += [f"train.checkpoint_dir={args.checkpoint_dir}", f"train.checkpoint_every={every}"]
+        flags += [f"checkpoint.dir={args.checkpoint_dir}", f"checkpoint.every={every}"]
     return jaxtrain.config(args.model, overrides=[*flags, *args.overrides])
 
 
@@ -104,7 +104,7 @@ def train_alphazero(args: argparse.Namespace, log: Callable[[str], None] = print
 
     env = pgx.make("connect_four")
     cfg = run_config(args)
-    with jaxtrain.run_lock(cfg.train.checkpoint_dir, log):  # one writer per checkpoint directory
+    with jaxtrain.run_lock(cfg.checkpoint.dir, log):  # one writer per checkpoint directory
         # Another run's checkpoints are refused before anything compiles.
         run_name = jaxtrain.check_resume(cfg, selfplay_settings(args))
         buffer = ReplayBuffer(env.observation_shape, env.num_actions, args.capacity, args.seed)
@@ -129,7 +129,7 @@ class Learner:
         import jax
         import jax.numpy as jnp
 
-        abstract = self.run.plan.abstract_model_state()
+        abstract = self.run.shardings.abstract_model_state()
         # The step-0 params as the actors take them, the model's own layout: the script has no pipeline layouts.
         extras = {"initial_params": abstract["params"], "replay": self.buffer.saved_shapes()}
         resumed = self.checkpoints and jaxtrain.resume(self.run, self.checkpoints, self.log, extras, self.settings)
@@ -137,7 +137,7 @@ class Learner:
             self.buffer.restore(resumed.extras["replay"])
             self.state, self.initial, self.progress = resumed.state, resumed.extras["initial_params"], resumed.progress
             return
-        self.state = self.run.plan.init_state(self.run.optimizer, self.args.seed)
+        self.state = self.run.shardings.init_state(self.run.optimizer, self.args.seed)
         self.initial = jax.tree.map(jnp.copy, self.state["params"])  # a copy: the train step donates the state's
         self.progress = jaxtrain.Progress(run=run_name)
 
@@ -234,15 +234,15 @@ def _actors(args: argparse.Namespace, env, run) -> tuple:
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    graphdef = run.plan.model.graphdef
+    graphdef = run.shardings.model.graphdef
 
     def forward(params, observation):
         return nnx.merge(graphdef, params)(observation)
 
-    games_axes = tuple(a for a in run.plan.rules.batch_axes() if run.plan.mesh.shape[a] > 1)
-    per_move = NamedSharding(run.plan.mesh, PartitionSpec(None, games_axes))
+    games_axes = tuple(a for a in run.shardings.rules.batch_axes() if run.shardings.mesh.shape[a] > 1)
+    per_move = NamedSharding(run.shardings.mesh, PartitionSpec(None, games_axes))
     shardings = {k: per_move for k in ("observation", "policy", "action", "player", "valid")}
-    shardings["outcome"] = NamedSharding(run.plan.mesh, PartitionSpec(games_axes))
+    shardings["outcome"] = NamedSharding(run.shardings.mesh, PartitionSpec(games_axes))
     play = jax.jit(
         functools.partial(self_play, forward, env, games=args.games, simulations=args.simulations),
         out_shardings=shardings,

@@ -61,7 +61,7 @@ def measure(name: str, overrides: list[str], steps: int, model: str, attention: 
         default_config(model), [f"attention={attention}", "data.source=synthetic", "mesh=data=-1", *overrides]
     )
     run = build(cfg, log=lambda *_: None, devices=jax.devices()[:1])
-    state = run.plan.init_state(run.optimizer, 0)
+    state = run.shardings.init_state(run.optimizer, 0)
     batch = run.batch("train", 0)
     start = time.perf_counter()
     compiled = run.train_step  # compiled on first use

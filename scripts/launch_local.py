@@ -116,7 +116,7 @@ def check_restartable(max_restarts: int, elastic: bool, train_args: list[str]) -
     if elastic and not max_restarts:
         return "--elastic changes the process count of a restart: give --max-restarts N too"
     names_checkpoints = any(
-        key in arg for arg in train_args for key in ("--checkpoint-dir", "checkpoint_dir=", "--config")
+        key in arg for arg in train_args for key in ("--checkpoint-dir", "checkpoint.dir=", "--config")
     )
     if max_restarts and not names_checkpoints:
         return (

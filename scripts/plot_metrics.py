@@ -1,4 +1,4 @@
-"""Draw training curves from one or several runs' metrics (the JSONL that `train.metrics_file` writes) into one PNG:
+"""Draw training curves from one or several runs' metrics (the JSONL that `tracking.metrics_file` writes) into one PNG:
 one panel per logged key against the step (default: loss, tokens/s and MFU), one colour per run; a key's
 validation counterpart (`val_loss` for `loss`) is drawn dashed in its panel.
 
@@ -48,7 +48,9 @@ def metrics_file(path: str | Path) -> Path:
             raise PlotError(f"run directory '{path}' should hold one metrics .jsonl file (found: {found}); name it.")
         path = candidates[0]
     if not path.is_file():
-        raise PlotError(f"metrics file '{path}' does not exist: pass what train.metrics_file (--metrics-file) wrote.")
+        raise PlotError(
+            f"metrics file '{path}' does not exist: pass what tracking.metrics_file (--metrics-file) wrote."
+        )
     return path
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from jaxtrain.aot.targets import TPU_CHIPS, Target, compile_target, parse_target
 from jaxtrain.run_config import apply_overrides, default_config
-from jaxtrain.training.setup import Setup, build
+from jaxtrain.training.setup import Run, build
 
 # Gradients computed in bfloat16 on two meshes (or a mesh and one device), leaf by leaf: measured within 9.2e-3 of each
 # other on gpt-tiny; a gradient off by a constant factor of 2 is off by 1.
@@ -20,14 +20,14 @@ BF16_GRAD_RTOL = 3e-2
 TINY = ["batch_size=8", "seq_len=32", "train.steps=10", "warmup_steps=1", "learning_rate=0.01"]
 
 
-def make_run(mesh: str, overrides: list[str] = (), model: str = "gpt-tiny", devices: int = 8) -> Setup:
+def make_run(mesh: str, overrides: list[str] = (), model: str = "gpt-tiny", devices: int = 8) -> Run:
     """A run whose steps compile when first used."""
     cfg = apply_overrides(default_config(model), [*TINY, *overrides, f"mesh={mesh}"])
     return build(cfg, log=lambda *_: None, devices=jax.devices()[:devices])
 
 
 @functools.cache
-def cached_run(mesh: str, overrides: tuple[str, ...] = (), model: str = "gpt-tiny") -> Setup:
+def cached_run(mesh: str, overrides: tuple[str, ...] = (), model: str = "gpt-tiny") -> Run:
     """`make_run` once per test session for each (mesh, overrides, model), on 1 device for "single", else 8: tests
     that share a run share its compiled steps (each compile costs seconds)."""
     return make_run(mesh, overrides, model=model, devices=1 if mesh == "single" else 8)
@@ -49,7 +49,7 @@ def aot_target(name: str, slices: int = 1) -> Target:
     return compile_target(name, slices)
 
 
-def aot_run(target: Target, mesh: str, overrides: tuple[str, ...] = (), model: str = "gpt-tiny") -> Setup:
+def aot_run(target: Target, mesh: str, overrides: tuple[str, ...] = (), model: str = "gpt-tiny") -> Run:
     """A run built on `target`'s compile-only devices: its steps compile for that hardware and cannot run."""
     cfg = apply_overrides(default_config(model), [*TINY, *overrides, f"mesh={mesh}"])
     return build(cfg, log=lambda *_: None, devices=target.devices)
@@ -61,11 +61,11 @@ def reference_curve(overrides: tuple[str, ...] = (), model: str = "gpt-tiny") ->
     return curve(cached_run("single", overrides, model))
 
 
-def curve(run: Setup, steps: int = 5, params=None) -> dict[str, np.ndarray]:
+def curve(run: Run, steps: int = 5, params=None) -> dict[str, np.ndarray]:
     """Loss and gradient norm (before clipping) of the first `steps` training steps of `run`, from its own
     initialisation or from `params` (model order). The norm sees a gradient off by a constant factor (a sum where a
     mean belongs), which the losses of clipped AdamW steps hardly show."""
-    state = run.plan.init_state(run.optimizer, run.cfg.train.seed, params)
+    state = run.shardings.init_state(run.optimizer, run.cfg.train.seed, params)
     out = {"loss": [], "grad_norm": []}
     for step in range(steps):
         state, metrics = run.train_step(state, run.batch("train", step))
@@ -80,11 +80,13 @@ def assert_curves_close(got: dict[str, np.ndarray], reference: dict[str, np.ndar
         np.testing.assert_allclose(got[key], reference[key], rtol=rtol, err_msg=key)
 
 
-def gradients(run: Setup) -> tuple[float, list[np.ndarray]]:
+def gradients(run: Run) -> tuple[float, list[np.ndarray]]:
     """Loss and gradient leaves (in the model's own layer order) of the initial params on the first batch."""
-    params = run.plan.init_state(run.optimizer, run.cfg.train.seed)["params"]
+    params = run.shardings.init_state(run.optimizer, run.cfg.train.seed)["params"]
     (loss, _), grads = run.compiled_grad(params, run.batch("train", 0))
-    return float(loss), [np.asarray(g) for g in jax.tree.leaves(jax.device_get(run.plan.params_in_model_order(grads)))]
+    return float(loss), [
+        np.asarray(g) for g in jax.tree.leaves(jax.device_get(run.shardings.params_in_model_order(grads)))
+    ]
 
 
 def assert_gradients_close(got: list[np.ndarray], reference: list[np.ndarray], rtol: float = 1e-5) -> None:

@@ -33,7 +33,7 @@ from helpers import aot_run, aot_target
 
 from jaxtrain.analysis.comm_report import CommReport, axes_of_group, communication_report, program_devices
 from jaxtrain.analysis.hlo import DCN, Collective, collectives
-from jaxtrain.training.setup import Setup
+from jaxtrain.training.setup import Run
 
 pytestmark = pytest.mark.slow
 
@@ -75,8 +75,8 @@ class Program:
         return {r.kind for r in self.report.rows if axis in r.axes}
 
 
-def read_program(run: Setup) -> Program:
-    compiled, mesh = run.train_step, run.plan.mesh
+def read_program(run: Run) -> Program:
+    compiled, mesh = run.train_step, run.shardings.mesh
     positions = mesh_positions(run)
     found = []
     for c in collectives(compiled.as_text()):
@@ -85,9 +85,9 @@ def read_program(run: Setup) -> Program:
     return Program(communication_report(compiled, mesh), tuple(found), compiled.as_text())
 
 
-def mesh_positions(run: Setup) -> np.ndarray:
+def mesh_positions(run: Run) -> np.ndarray:
     """The mesh position of each device index the program's collectives use (see comm_report.program_devices)."""
-    position = {d.id: i for i, d in enumerate(run.plan.mesh.devices.flat)}
+    position = {d.id: i for i, d in enumerate(run.shardings.mesh.devices.flat)}
     return np.array([position[d.id] for d in program_devices(run.train_step)])
 
 
@@ -95,14 +95,14 @@ def mesh_positions(run: Setup) -> np.ndarray:
 class Case:
     name: str
     mesh: str
-    check: Callable[[Setup, Program], None]  # raises AssertionError when the program lacks what the feature needs
+    check: Callable[[Run, Program], None]  # raises AssertionError when the program lacks what the feature needs
     overrides: tuple[str, ...] = ()
     model: str = "gpt-tiny"
     on: tuple[str, ...] = ("tpu",)  # keys of TARGETS
 
 
 @functools.cache
-def compiled(target: str, case: Case) -> tuple[Setup, Program]:
+def compiled(target: str, case: Case) -> tuple[Run, Program]:
     """The case's run built on `target`'s devices and its train step compiled, once per session."""
     run = aot_run(aot_target(*TARGETS[target]), case.mesh, case.overrides, case.model)
     return run, read_program(run)
@@ -116,54 +116,54 @@ def ring_share(n: int) -> float:
     return 2 * (n - 1) / n
 
 
-def local_param_bytes(run: Setup) -> int:
+def local_param_bytes(run: Run) -> int:
     """float32 bytes of one device's share of the params."""
     return sum(
         math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
-        for p in jax.tree.leaves(run.plan.abstract_state["params"])
+        for p in jax.tree.leaves(run.shardings.abstract_state["params"])
     )
 
 
-def fsdp_weight_elements(run: Setup) -> int:
+def fsdp_weight_elements(run: Run) -> int:
     """Elements of the layer weights one device holds once it has gathered them over fsdp: every layer."""
-    n = run.plan.mesh.shape["fsdp"]
+    n = run.shardings.mesh.shape["fsdp"]
     return sum(
         math.prod(p.sharding.shard_shape(p.shape)) * n
-        for p in jax.tree.leaves(run.plan.abstract_state["params"]["blocks"])
+        for p in jax.tree.leaves(run.shardings.abstract_state["params"]["blocks"])
         if p.ndim > 2 and "fsdp" in jax.tree.leaves(tuple(p.sharding.spec))
     )
 
 
-def activation_bytes(run: Setup, microbatches: int = 1) -> int:
+def activation_bytes(run: Run, microbatches: int = 1) -> int:
     """One device's share of the residual stream (B, T, D) of one microbatch, between blocks."""
-    cfg, shape = run.cfg, run.plan.mesh.shape
+    cfg, shape = run.cfg, run.shardings.mesh.shape
     rows = cfg.data.batch_size // microbatches // (shape["data"] * shape["fsdp"] * shape["replica"])
     return rows * cfg.data.seq_len * cfg.model.d_model * jnp.dtype(cfg.model.dtype).itemsize
 
 
-def data_parallel(run: Setup, program: Program) -> None:
+def data_parallel(run: Run, program: Program) -> None:
     """Gradients all-reduced over `data`, and nothing else moves: each device sends 2(N-1)/N of the gradient, plus
     the loss and metrics."""
     rows = {(r.axes, r.kind) for r in program.report.rows}
     assert rows == {(("data",), "all-reduce")}, program.report.format()
-    n, gradient = run.plan.mesh.shape["data"], run.plan.param_bytes()
+    n, gradient = run.shardings.mesh.shape["data"], run.shardings.param_bytes()
     sent = program.sent(("data",), "all-reduce")
     assert ring_share(n) * gradient <= sent <= ring_share(n) * (gradient + METRICS_BYTES), (sent, gradient)
 
 
-def fused(run: Setup, program: Program) -> None:
-    """train.grad_sync=fused: one all-reduce of the whole gradient, once per step."""
+def fused(run: Run, program: Program) -> None:
+    """allreduce.algorithm=fused: one all-reduce of the whole gradient, once per step."""
     data_parallel(run, program)
     (reduce,) = program.over(("data",), "all-reduce")
     assert reduce.executions == 1, program.report.format()
 
 
-def fsdp(run: Setup, program: Program) -> None:
+def fsdp(run: Run, program: Program) -> None:
     """Every layer's weights gathered over fsdp, at least once, in bfloat16 at least (the TPU compiler gathers
     float32 weights in bfloat16 for matmuls at default precision), and their gradients reduced over fsdp, in the
     compute dtype at least (a bfloat16 matmul's weight gradient is bfloat16 until it meets the float32 param): each
     device sends (N-1)/N of what it gathers, and at least as much of the gradient."""
-    n, weights = run.plan.mesh.shape["fsdp"], fsdp_weight_elements(run)
+    n, weights = run.shardings.mesh.shape["fsdp"], fsdp_weight_elements(run)
     assert weights, f"no layer weight is sharded over fsdp on {run.cfg.mesh}"
     gathered = program.sent(("fsdp",), "all-gather")
     assert gathered >= (n - 1) / n * weights * 2, (gathered, weights, program.report.format())
@@ -172,52 +172,52 @@ def fsdp(run: Setup, program: Program) -> None:
     assert reduced >= (n - 1) / n * weights * gradient_itemsize, (reduced, weights, program.report.format())
 
 
-def fsdp_windowed(run: Setup, program: Program) -> None:
+def fsdp_windowed(run: Run, program: Program) -> None:
     """FSDP of weights large enough that the TPU compiler gathers them by windowed einsums."""
     fsdp(run, program)
     (gathers,) = [r for r in program.report.rows if r.axes == ("fsdp",) and r.kind == "all-gather"]
     assert "windowed einsum" in gathers.via, program.report.format()
 
 
-def tensor_parallel(run: Setup, program: Program) -> None:
+def tensor_parallel(run: Run, program: Program) -> None:
     """Each block all-reduces its attention and MLP outputs over `tensor`, forward and backward: at least 4 x layers
     activations (B/data, T, D) per step."""
-    n, layers = run.plan.mesh.shape["tensor"], run.cfg.model.n_layers
+    n, layers = run.shardings.mesh.shape["tensor"], run.cfg.model.n_layers
     sent = program.sent(("tensor",), "all-reduce")
     assert sent >= 4 * layers * ring_share(n) * activation_bytes(run), (sent, program.report.format())
 
 
-def no_whole_weight_gathered(run: Setup, program: Program) -> None:
+def no_whole_weight_gathered(run: Run, program: Program) -> None:
     """No all-gather produces a whole layer weight, the embedding or the head: tensor parallelism keeps them split."""
-    params = jax.tree.leaves(run.plan.abstract_state["params"])
+    params = jax.tree.leaves(run.shardings.abstract_state["params"])
     whole = {math.prod(p.shape[1:]) for p in params if p.ndim > 2} | {math.prod(p.shape) for p in params}
     gathered = {math.prod(dims) for _, c in program.found if c.kind == "all-gather" for _, dims in c.shapes}
     assert not gathered & whole, sorted(gathered & whole)
 
 
-def gradients_reduced_over_data(run: Setup, program: Program) -> None:
+def gradients_reduced_over_data(run: Run, program: Program) -> None:
     """Each device's share of the gradient is reduced over `data` (with whatever other axes share the batch)."""
     sent = program.sent_touching("data", *REDUCTIONS)
-    expected = ring_share(run.plan.mesh.shape["data"]) * local_param_bytes(run)
+    expected = ring_share(run.shardings.mesh.shape["data"]) * local_param_bytes(run)
     assert sent >= expected, (sent, expected, program.report.format())
 
 
-def tensor_only(run: Setup, program: Program) -> None:
+def tensor_only(run: Run, program: Program) -> None:
     tensor_parallel(run, program)
     no_whole_weight_gathered(run, program)
     gradients_reduced_over_data(run, program)
 
 
-def three_d(run: Setup, program: Program) -> None:
+def three_d(run: Run, program: Program) -> None:
     fsdp(run, program)
     tensor_parallel(run, program)
     gradients_reduced_over_data(run, program)
 
 
-def pipelined(run: Setup, program: Program) -> None:
+def pipelined(run: Run, program: Program) -> None:
     """Stages hand each microbatch's activations forward and its gradients back around the pipeline ring, at every
     tick of the schedule (stages compute in lockstep), and never gather another stage's weights."""
-    mesh, schedule = run.plan.mesh, run.pipeline.schedule
+    mesh, schedule = run.shardings.mesh, run.pipeline.schedule
     sent = program.sent(("pipeline",), "collective-permute")
     expected = 2 * schedule.ticks * activation_bytes(run, schedule.microbatches)
     assert sent == pytest.approx(expected, rel=1e-3), (sent, expected, schedule.describe(), program.report.format())
@@ -235,38 +235,38 @@ def pipelined(run: Setup, program: Program) -> None:
     gradients_reduced_over_data(run, program)
 
 
-def explicit_sync(run: Setup, program: Program) -> None:
-    """An explicit gradient sync (ring, hierarchical, parameter server): the collective-permutes its analytic model
-    predicts at each level, the parameter server's hot spot on the servers, and nothing else but the metrics."""
-    sync, gradient = run.grad_sync, run.plan.param_bytes()
+def explicit_sync(run: Run, program: Program) -> None:
+    """An explicit gradient sync (ring, hierarchical, star): the collective-permutes its analytic model predicts at
+    each level, star's hot spot on the hubs, and nothing else but the metrics."""
+    sync, gradient = run.grad_sync, run.shardings.param_bytes()
     for expected in sync.expected(gradient):
         got = program.report.measured(expected.axes, expected.kinds)
         assert got == pytest.approx(expected.bytes, rel=0.01), (expected.label, got, program.report.format())
-    if sync.algorithm == "parameter_server":
+    if sync.algorithm == "star":
         busiest = program.report.per_device.max()
-        assert busiest == pytest.approx(sync.server_bytes(gradient), rel=0.01), program.report.format()
+        assert busiest == pytest.approx(sync.hub_bytes(gradient), rel=0.01), program.report.format()
     others = sum(r.mean for r in program.report.rows if r.kind != "collective-permute")
     assert others <= METRICS_BYTES, program.report.format()
 
 
-def local_updates(run: Setup, program: Program) -> None:
+def local_updates(run: Run, program: Program) -> None:
     """local_sgd, diloco: every step reduces gradients inside each replica (over `data`) only; the replica axis
     carries nothing but the all-reduce of the params (or their deltas) when they are averaged."""
     assert program.kinds_touching("replica") == {"all-reduce"}, program.report.format()
     across = program.sent(("replica",), "all-reduce")
-    expected = ring_share(run.plan.mesh.shape["replica"]) * run.plan.param_bytes()
+    expected = ring_share(run.shardings.mesh.shape["replica"]) * run.shardings.param_bytes()
     assert expected <= across <= expected + METRICS_BYTES, (across, expected)
     assert program.sent(("data",)) > 0, program.report.format()
     both = sum(r.mean for r in program.report.rows if {"replica", "data"} <= set(r.axes))
     assert both <= METRICS_BYTES, program.report.format()  # a gradient averaged over every replica would show here
 
 
-def experts(run: Setup, program: Program) -> None:
+def experts(run: Run, program: Program) -> None:
     """Per layer, four all-to-alls over `expert` (dispatch and combine, forward and backward), each moving one
     device's tokens sorted by expert, (E, G / devices, C, D); over that axis nothing else but all-reduces (of
     gradients and routing statistics). Counted in elements: the TPU compiler sends these float32 tokens in bfloat16,
     since every consumer is a matmul at default precision, which rounds its inputs to bfloat16 anyway."""
-    cfg, shape = run.cfg, run.plan.mesh.shape
+    cfg, shape = run.cfg, run.shardings.mesh.shape
     to_all = program.over(("expert",), "all-to-all")
     assert sum(c.executions for c in to_all) == 4 * cfg.model.n_layers, program.report.format()
     sequences = cfg.data.batch_size // (shape["data"] * shape["expert"])
@@ -276,11 +276,11 @@ def experts(run: Setup, program: Program) -> None:
     assert program.kinds_touching("expert") == {"all-to-all", "all-reduce"}, program.report.format()
 
 
-def tables_stay_sharded(run: Setup, program: Program) -> None:
+def tables_stay_sharded(run: Run, program: Program) -> None:
     """The recommender's tables are never gathered or reduced: only ids, looked-up rows and the dense layers'
     gradients move. Every array a collective moves is smaller than one device's share of the tables, except the
     all-reduce of the replicated dense layers' gradients, which the GPU compiler combines into one flat array."""
-    params = run.plan.abstract_state["params"]
+    params = run.shardings.abstract_state["params"]
     tables = params["tables"]
     shard = math.prod(tables.sharding.shard_shape(tables.shape))
     dense = sum(p.size for p in jax.tree.leaves(params)) - tables.size
@@ -291,16 +291,16 @@ def tables_stay_sharded(run: Setup, program: Program) -> None:
     assert "tensor" in set().union(*(r.axes for r in program.report.rows)), program.report.format()
 
 
-def convolutions_reduced_everywhere(run: Setup, program: Program) -> None:
+def convolutions_reduced_everywhere(run: Run, program: Program) -> None:
     """The ResNet's convolution kernels are replicated and their batch split over data and tensor: each kernel's
     gradient is all-reduced over both."""
-    kernels = [p for p in jax.tree.leaves(run.plan.abstract_state["params"]) if p.ndim == 4]
+    kernels = [p for p in jax.tree.leaves(run.shardings.abstract_state["params"]) if p.ndim == 4]
     kernel_bytes = sum(p.size * p.dtype.itemsize for p in kernels)
     sent = program.sent(("data", "tensor"), "all-reduce")
-    assert len(kernels) == 9 and sent >= ring_share(run.plan.mesh.size) * kernel_bytes, (sent, kernel_bytes)
+    assert len(kernels) == 9 and sent >= ring_share(run.shardings.mesh.size) * kernel_bytes, (sent, kernel_bytes)
 
 
-def across_slices(run: Setup, program: Program) -> None:
+def across_slices(run: Run, program: Program) -> None:
     """Two slices, data parallel across them (DCN) and FSDP inside each (ICI): the ICI collectives are over fsdp
     only, and the gradient crosses DCN over data only, as all-reduce sends of at least each device's share of it."""
     dcn = [(axes, c) for axes, c in program.found if c.via == DCN]
@@ -312,10 +312,10 @@ def across_slices(run: Setup, program: Program) -> None:
     fsdp(run, program)
 
 
-def across_hosts(run: Setup, program: Program) -> None:
+def across_hosts(run: Run, program: Program) -> None:
     """4 hosts x 8 GPUs, tensor parallel inside each host and data parallel across them: every tensor-axis group
     stays on one host, every data-axis gradient all-reduce spans all four."""
-    devices = run.plan.mesh.devices.flat
+    devices = run.shardings.mesh.devices.flat
     positions = mesh_positions(run)
     hosts = lambda group: {devices[positions[i]].process_index for i in group}  # noqa: E731
     tensor_groups = [g for c in program.over(("tensor",)) for g in c.groups]
@@ -346,13 +346,13 @@ CASES = [
         pipelined,
         ("schedule=interleaved", "virtual_stages=2", "n_layers=8", "microbatches=8", "batch_size=16"),
     ),
-    Case("fused", "data=8", fused, ("grad_sync=fused",)),
-    Case("ring", "data=8", explicit_sync, ("grad_sync=ring",)),
-    Case("hierarchical", "replica=2,data=4", explicit_sync, ("grad_sync=hierarchical",)),
-    Case("parameter-server", "data=8", explicit_sync, ("grad_sync=parameter_server", "ps_servers=2")),
-    Case("local-sgd", "replica=2,data=4", local_updates, ("sync=local_sgd",)),
-    Case("diloco", "replica=2,data=4", local_updates, ("sync=diloco",)),
-    Case("stale", "data=8", data_parallel, ("sync=stale",)),
+    Case("fused", "data=8", fused, ("allreduce.algorithm=fused",)),
+    Case("ring", "data=8", explicit_sync, ("allreduce.algorithm=ring",)),
+    Case("hierarchical", "replica=2,data=4", explicit_sync, ("allreduce.algorithm=hierarchical",)),
+    Case("star", "data=8", explicit_sync, ("allreduce.algorithm=star", "allreduce.hubs=2")),
+    Case("local-sgd", "replica=2,data=4", local_updates, ("updates.policy=local_sgd",)),
+    Case("diloco", "replica=2,data=4", local_updates, ("updates.policy=diloco",)),
+    Case("stale", "data=8", data_parallel, ("updates.policy=stale",)),
     Case("moe", "data=2,expert=4", experts, ("capacity_factor=4",), model="moe", on=BOTH),
     Case("recsys", "data=2,tensor=4", tables_stay_sharded, ("batch_size=32", "vocab_size=2048"), model="recsys"),
     Case(

@@ -16,7 +16,7 @@ import pytest
 from helpers import TINY, aot_run, aot_target
 
 import jaxtrain.aot.targets
-import jaxtrain.placement.plan
+import jaxtrain.placement.shardings
 from jaxtrain.analysis.chips import CHIPS
 from jaxtrain.cli import BAD_INPUT_EXIT, main
 from jaxtrain.formatting import fmt_bytes
@@ -198,7 +198,9 @@ def test_comm_reports_the_step_compiled_for_a_tpu(capsys):
 )
 def test_a_bad_target_is_one_line_before_anything_compiles(command, flags, message, capsys, monkeypatch):
     aot_target("v5p:2x2x2"), aot_target("h100:8")  # skip where an extra is missing
-    monkeypatch.setattr(jaxtrain.placement.plan.Plan, "compile", lambda *_, **__: pytest.fail("a step compiled"))
+    monkeypatch.setattr(
+        jaxtrain.placement.shardings.Shardings, "compile", lambda *_, **__: pytest.fail("a step compiled")
+    )
     status, out, err = run_cli([command, "--mesh", "fsdp=8", *flags, *GPT_TINY], capsys)
     assert status == BAD_INPUT_EXIT, out + err
     assert err.startswith("error: ") and err.count("\n") == 1, err

@@ -104,7 +104,7 @@ def one_device(user_models) -> dict[str, np.ndarray]:
 def test_a_registered_model_trains_on_data_and_tensor_with_its_one_device_losses(one_device):
     summary = train("bytes-tiny", "data=2,tensor=2", devices=4)
     assert "Mesh data=2 tensor=2: 4 cpu devices" in summary["log"]
-    params = summary["run"].plan.abstract_state["params"]
+    params = summary["run"].shardings.abstract_state["params"]
     assert params["up"]["kernel"].sharding.spec == PartitionSpec(None, "tensor")  # tensor parallel, really
     assert params["embed"]["embedding"].sharding.spec == PartitionSpec("tensor", None)
     assert_curves_close(curve(summary), one_device)
@@ -114,14 +114,16 @@ def test_a_registered_model_trains_on_data_and_tensor_with_its_one_device_losses
 
 def test_a_parameter_without_names_is_refused_naming_it():
     cfg = jaxtrain.config("bytes-unnamed", mesh="data=2,tensor=2", **RUN)
-    with pytest.raises(jaxtrain.PlanError, match=r"1 parameter without logical axis names.*'scale' \(16,\)") as err:
+    with pytest.raises(
+        jaxtrain.PlacementError, match=r"1 parameter without logical axis names.*'scale' \(16,\)"
+    ) as err:
         jaxtrain.train(cfg, log=lambda _: None, devices=jax.devices()[:4])
     assert "out_sharding=" in str(err.value) and "replicate_unnamed=True" in str(err.value)  # how to fix it
 
 
 def test_a_model_that_opts_in_replicates_its_unnamed_parameters(one_device):
     summary = train("bytesreplicated", "data=2,tensor=2", devices=4)
-    params = summary["run"].plan.abstract_state["params"]
+    params = summary["run"].shardings.abstract_state["params"]
     assert params["scale"].sharding.is_fully_replicated
     assert params["up"]["kernel"].sharding.spec == PartitionSpec(None, "tensor")  # the named ones still sharded
     assert_curves_close(curve(summary), one_device)  # the same model, the same numbers
@@ -189,7 +191,7 @@ def test_unknown_models_and_bad_registrations_say_what_to_do():
 
 
 def test_config_reads_a_run_config_file_then_the_keywords(tmp_path):
-    cfg = jaxtrain.config("gpt-tiny", mesh="data=2,tensor=4", steps=7, checkpoint_dir=str(tmp_path / "ckpt"))
+    cfg = jaxtrain.config("gpt-tiny", mesh="data=2,tensor=4", steps=7, **{"checkpoint.dir": str(tmp_path / "ckpt")})
     (tmp_path / "ckpt").mkdir()
     written = write_config(cfg)
     assert jaxtrain.config(written) == cfg

@@ -27,7 +27,7 @@ def test_shards_split_by_bytes_and_join_back():
     assert sorted(i for part in owned for i in part) == list(range(5))
     assert [sum(sizes[i] for i in part) for part in owned] == [500, 500]
     assert join(split(list("abcde"), owned), owned) == list("abcde")
-    with pytest.raises(ShardingError, match="ps_shards=6.*at most 5"):
+    with pytest.raises(ShardingError, match="engine.server_shards=6.*at most 5"):
         assign_leaves(sizes, 6)
 
 
@@ -108,8 +108,8 @@ def test_engine_settings_are_checked():
         train(async_config())
     with pytest.raises(ConfigError, match="pipeline axis"):
         check_engine(async_config("mesh=pipeline=2,data=2"))
-    with pytest.raises(ConfigError, match="train.sync=stale with --engine ray"):
-        check_engine(async_config("sync=stale"))
+    with pytest.raises(ConfigError, match="updates.policy=stale with --engine ray"):
+        check_engine(async_config("updates.policy=stale"))
 
 
 # Real runs on Ray.
@@ -132,7 +132,7 @@ def test_one_worker_without_staleness_is_synchronous_training(ray_session):
     from jaxtrain.asynchronous.engine import train_async
     from jaxtrain.training.loop import train
 
-    cfg = async_config("workers=1", "ps_shards=2", "max_staleness=0", "steps=5", "log_every=1")
+    cfg = async_config("workers=1", "engine.server_shards=2", "max_staleness=0", "steps=5", "log_every=1")
     summary = train_async(cfg, log=lambda *_: None)
     reference = train(apply_overrides(cfg, ["engine.kind=spmd"]), log=lambda *_: None, devices=jax.devices()[:1])
     got = [row["loss"] for row in summary["history"]]
@@ -145,7 +145,9 @@ def test_the_servers_apply_exactly_the_gradients_they_receive(ray_session, tmp_p
     the batch log (in the checkpoint directory) says who took which batch at which staleness."""
     from jaxtrain.asynchronous.engine import BATCH_LOG, train_async
 
-    cfg = async_config("workers=3", "ps_shards=2", "steps=9", f"checkpoint_dir={tmp_path}", "checkpoint_every=0")
+    cfg = async_config(
+        "workers=3", "engine.server_shards=2", "steps=9", f"checkpoint.dir={tmp_path}", "checkpoint.every=0"
+    )
     summary = train_async(cfg, log=lambda *_: None)
     assert summary["gradients_applied_per_shard"] == [9, 9]
     batches = [row.batch for row in summary["batch_log"]]

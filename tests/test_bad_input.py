@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import jaxtrain.placement.plan
+import jaxtrain.placement.shardings
 import jaxtrain.training.checkpoint
 from jaxtrain.cli import main
 
@@ -72,14 +72,14 @@ CASES = [
     ([*TRAIN, "eval_batches=0"], "train.eval_batches=0"),
     ([*TRAIN, "--grad-accum", "0"], "train.grad_accum=0"),
     ([*TRAIN, "--seed", "-1"], "train.seed=-1"),
-    ([*TRAIN, "--checkpoint-every", "-1"], "train.checkpoint_every=-1: expected an integer >= 0 (steps between"),
-    ([*TRAIN, "checkpoint_keep=0"], "train.checkpoint_keep=0"),
+    ([*TRAIN, "--checkpoint-every", "-1"], "checkpoint.every=-1: expected an integer >= 0 (steps between"),
+    ([*TRAIN, "checkpoint.keep=0"], "checkpoint.keep=0"),
     ([*TRAIN, "rollback_after=-1"], "train.rollback_after=-1"),
-    ([*TRAIN, "sync_every=0"], "train.sync_every=0"),
-    ([*TRAIN, "--microbatches", "-1"], "train.microbatches=-1"),
-    ([*TRAIN, "grad_bucket_mb=0"], "train.grad_bucket_mb=0.0"),
-    ([*TRAIN, "ps_servers=0"], "train.ps_servers=0"),
-    ([*TRAIN, "outer_momentum=1.5"], "train.outer_momentum=1.5"),
+    ([*TRAIN, "updates.average_every=0"], "updates.average_every=0"),
+    ([*TRAIN, "--microbatches", "-1"], "pipeline.microbatches=-1"),
+    ([*TRAIN, "allreduce.bucket_mb=0"], "allreduce.bucket_mb=0.0"),
+    ([*TRAIN, "allreduce.hubs=0"], "allreduce.hubs=0"),
+    ([*TRAIN, "outer_momentum=1.5"], "updates.outer_momentum=1.5"),
     ([*TRAIN, "n_layers=2.5"], "model.n_layers=2.5: expected an integer >= 1 (transformer blocks)."),
     ([*TRAIN, "d_model=0"], "model.d_model=0"),
     ([*TRAIN, "d_model=36"], "d_model=36 must be divisible by n_heads=4 into an even number of channels"),
@@ -88,11 +88,11 @@ CASES = [
     ([*TRAIN, "dtype=banana"], "model.dtype='banana' is not one of float32, bfloat16, float16"),
     ([*TRAIN, "dtype=float8"], "model.dtype='float8' is not one of"),
     ([*TRAIN, "dtype=fp16"], "model.dtype='fp16' is not one of"),
-    ([*TRAIN, "--schedule", "zigzag"], "train.schedule='zigzag' is not one of gpipe, 1f1b, interleaved"),
-    ([*TRAIN, "stage_balance=even"], "train.stage_balance='even' is not one of cost, uniform"),
-    ([*TRAIN, "pipeline_stash=everything"], "train.pipeline_stash='everything' is not one of residuals, inputs"),
-    ([*TRAIN, "grad_compression=fp8"], "train.grad_compression='fp8' is not one of none, bf16"),
-    ([*TRAIN, "checkpoint_failure=ignore"], "train.checkpoint_failure='ignore' is not one of stop, continue"),
+    ([*TRAIN, "--schedule", "zigzag"], "pipeline.schedule='zigzag' is not one of gpipe, 1f1b, interleaved"),
+    ([*TRAIN, "pipeline.balance=even"], "pipeline.balance='even' is not one of cost, uniform"),
+    ([*TRAIN, "pipeline.stash=everything"], "pipeline.stash='everything' is not one of residuals, inputs"),
+    ([*TRAIN, "allreduce.compression=fp8"], "allreduce.compression='fp8' is not one of none, bf16"),
+    ([*TRAIN, "checkpoint.on_failure=ignore"], "checkpoint.on_failure='ignore' is not one of stop, continue"),
     # Flags jaxtrain used to ignore.
     ([*TRAIN, "--coordinator-bind", "everywhere"], "coordinator bind address 'everywhere' is not host:port"),
     ([*TRAIN, "--init-timeout", "0"], "--init-timeout: expected an integer >= 1, got '0'"),
@@ -125,7 +125,7 @@ CASES = [
     ([*DIGITS, "--data", "{d}/good.csv.gz", "n_classes=5"], "the model takes 64 features and 5 classes"),
     ([*TRAIN, "--data", "{d}/datadir"], "datadir' is a directory"),
     ([*TRAIN, "--data", "{d}/latin1.txt"], "latin1.txt' is not UTF-8 text: byte 0xe9 on line 1 (offset 3)"),
-    ([*TRAIN, "--checkpoint-dir", "{d}/empty.csv"], "checkpoint_dir={d}/empty.csv is a file, not a directory"),
+    ([*TRAIN, "--checkpoint-dir", "{d}/empty.csv"], "checkpoint.dir={d}/empty.csv is a file, not a directory"),
     ([*TRAIN, "--metrics-file", "{d}/datadir"], "metrics_file={d}/datadir is a directory"),
     ([*TRAIN, "--tensorboard-dir", "{d}/empty.csv"], "tensorboard_dir={d}/empty.csv is a file"),
 ]
@@ -147,7 +147,7 @@ def no_compiling(monkeypatch) -> list:
         compiled.append(args)
         raise AssertionError("a step was compiled")
 
-    monkeypatch.setattr(jaxtrain.placement.plan.Plan, "compile", refuse)
+    monkeypatch.setattr(jaxtrain.placement.shardings.Shardings, "compile", refuse)
     return compiled
 
 

@@ -23,7 +23,7 @@ from jaxtrain.training.setup import build
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["batch_size=8", "seq_len=32", "warmup_steps=1", "learning_rate=0.01", "steps=6", "log_every=1"]
-RUN += ["eval_every=1000", "progress=false", "checkpoint_every=2"]
+RUN += ["eval_every=1000", "progress=false", "checkpoint.every=2"]
 
 
 def digest(directory: Path) -> dict[str, str]:
@@ -36,7 +36,7 @@ def digest(directory: Path) -> dict[str, str]:
 
 
 def config(mesh, directory, extra=()):
-    return apply_overrides(default_config("gpt-tiny"), [*RUN, f"mesh={mesh}", f"checkpoint_dir={directory}", *extra])
+    return apply_overrides(default_config("gpt-tiny"), [*RUN, f"mesh={mesh}", f"checkpoint.dir={directory}", *extra])
 
 
 def run_train(mesh, directory, devices=8, extra=(), log=lambda *_: None):
@@ -76,7 +76,7 @@ def test_restore_onto_another_mesh(mesh, devices, uninterrupted):
     directory, _, final = uninterrupted
     cfg = config(mesh, directory)
     run = build(cfg, log=lambda *_: None, devices=jax.devices()[:devices])
-    state, meta = restore(directory / "6", run.plan.abstract_model_state())
+    state, meta = restore(directory / "6", run.shardings.abstract_model_state())
     assert meta["step"] == 6 and meta["config"]["mesh"] == "data=2,fsdp=2,tensor=2"
     for got, want in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(final)):
         np.testing.assert_array_equal(got, want)
@@ -100,7 +100,7 @@ def test_checkpoint_of_another_model_is_refused(uninterrupted):
     directory = uninterrupted[0]
     run = build(config("data=8", directory, ["d_model=32"]), log=lambda *_: None)
     with pytest.raises(CheckpointError, match="does not match the model: .* is \\(2, 64\\) there, \\(2, 32\\) here"):
-        restore(directory / "6", run.plan.abstract_model_state())
+        restore(directory / "6", run.shardings.abstract_model_state())
 
 
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(uninterrupted, tmp_path, caplog):
@@ -112,7 +112,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(uninterrupted, t
     truncated = digest(directory / "6")
     run = build(config("data=8", directory), log=lambda *_: None)
     with Checkpoints(directory, 2) as checkpoints:
-        state, meta = checkpoints.restore_latest(run.plan.abstract_model_state())
+        state, meta = checkpoints.restore_latest(run.shardings.abstract_model_state())
         assert meta["step"] == 4 and checkpoints.steps() == [2, 4]
     [skipped, moved] = [r.getMessage() for r in caplog.records]
     assert skipped.startswith(f"skipping checkpoint {directory / '6'}, which does not read back: ")
@@ -144,7 +144,7 @@ def test_a_refusal_stops_the_search_and_nothing_is_moved(uninterrupted, tmp_path
     run = build(config("data=8", directory), log=lambda *_: None)
     with Checkpoints(directory, 2) as checkpoints:
         with pytest.raises(RunIdentityError, match="4 is another run's"):
-            checkpoints.restore_latest(run.plan.abstract_model_state(), accept)
+            checkpoints.restore_latest(run.shardings.abstract_model_state(), accept)
         assert checkpoints.steps() == [2, 4, 6]
     assert not list(directory.glob("*.unreadable-*"))
 
@@ -177,7 +177,7 @@ def test_restore_from_a_training_step_continues_that_run(uninterrupted, tmp_path
     with Checkpoints(directory, 2) as checkpoints:
         assert checkpoints.steps() == [6]
     _, meta = restore(
-        directory / "6", build(config("data=8", directory), log=lambda *_: None).plan.abstract_model_state()
+        directory / "6", build(config("data=8", directory), log=lambda *_: None).shardings.abstract_model_state()
     )
     assert meta["history"] == [{"step": 4, "restored_from": str(source / "4"), "changed": {}}]
     assert digest(source) == before
@@ -269,6 +269,6 @@ def test_padded_pipeline_layout_saves_and_restores_in_model_order(tmp_path):
     assert piped_state["params"]["blocks"]["w_in"].shape[0] == 4  # stored as stages (2 layers, 1 + padding)
     np.testing.assert_allclose([resumed[5], resumed[6]], [losses[5], losses[6]], rtol=1e-5)
     run = build(config("data=8", piped, layers), log=lambda *_: None)
-    state, _ = restore(piped / "6", run.plan.abstract_model_state())
+    state, _ = restore(piped / "6", run.shardings.abstract_model_state())
     for got, want in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(final))):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

@@ -41,7 +41,7 @@ def exported(trained, tmp_path_factory):
 
 def abstract_params(mesh, devices, extra=()):
     run = build(config(mesh, "unused", extra), log=lambda *_: None, devices=jax.devices()[:devices])
-    return run.plan.abstract_model_state()["params"]
+    return run.shardings.abstract_model_state()["params"]
 
 
 def disk_bytes(path: Path) -> int:
@@ -162,7 +162,7 @@ def test_fine_tuning_starts_from_an_export_with_a_new_optimizer(exported, tmp_pa
     extra = ["steps=1", f"restore={exported}"]
     losses, state = run_train("fsdp=4", tmp_path / "fine-tune", devices=4, extra=extra)
     run = build(config("fsdp=4", tmp_path / "unused", extra), log=lambda *_: None, devices=jax.devices()[:4])
-    params, _ = restore_params(exported, run.plan.abstract_model_state()["params"])
+    params, _ = restore_params(exported, run.shardings.abstract_model_state()["params"])
     first_loss = run.compiled_eval(params, run.batch("train", 0))["loss"]
     assert losses[1] == pytest.approx(float(first_loss), rel=1e-6)
     counts = [int(count) for _, count in optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")]

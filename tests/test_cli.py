@@ -67,7 +67,7 @@ def test_train_command_writes_metrics(tmp_path):
         (["--data", "missing.txt"], "data file 'missing.txt' does not exist"),
         (
             "--mesh pipeline=2,data=4 --schedule interleaved --virtual-stages 2 --microbatches 3".split(),
-            "train.microbatches must be a multiple of 2 (got 3)",
+            "pipeline.microbatches must be a multiple of 2 (got 3)",
         ),
     ],
 )
@@ -81,5 +81,5 @@ def test_bad_input_is_a_clear_error(args, message):
 def test_pipeline_flags_reach_the_config():
     result = run_train("--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "8", "--help-config")
     assert result.returncode == 0, result.stderr
-    for line in ('train.schedule = "interleaved"', "train.virtual_stages = 2", "train.microbatches = 8"):
+    for line in ('pipeline.schedule = "interleaved"', "pipeline.virtual_stages = 2", "pipeline.microbatches = 8"):
         assert line in result.stdout

@@ -151,10 +151,10 @@ def test_parameter_server_shows_its_hot_spot():
 
 def test_data_parallel_gradient_all_reduce_is_the_ring_volume():
     run = make_run("data=8")
-    report = communication_report(run.train_step, run.plan.mesh)
+    report = communication_report(run.train_step, run.shardings.mesh)
     # XLA splits the gradient into a few all-reduces (one inside the layer loop); their total is the gradient.
     assert {(r.axes, r.kind) for r in report.rows} == {(("data",), "all-reduce")}
-    ring = 2 * 7 / 8 * total_bytes(run.plan.abstract_state["params"])
+    ring = 2 * 7 / 8 * total_bytes(run.shardings.abstract_state["params"])
     assert report.measured(("data",), ("all-reduce",)) == pytest.approx(ring, rel=0.01)
     text = report.format([Expected("ring all-reduce of f32 gradients", ring, ("data",), ("all-reduce",))])
     assert "ratio 1.000" in text and "busiest" not in text
@@ -162,11 +162,11 @@ def test_data_parallel_gradient_all_reduce_is_the_ring_volume():
 
 def test_fsdp_gathers_weights_and_reduces_gradients_over_fsdp():
     run = make_run("fsdp=8")
-    report = communication_report(run.train_step, run.plan.mesh)
+    report = communication_report(run.train_step, run.shardings.mesh)
     assert {r.axes for r in report.rows} == {("fsdp",)}
     # CPU XLA reduces the gradients with all-reduce (and all-to-all), where GPU and TPU emit reduce-scatter.
     assert {"all-gather", "all-reduce"} <= {r.kind for r in report.rows}
-    blocks = total_bytes(run.plan.abstract_state["params"]["blocks"])
+    blocks = total_bytes(run.shardings.abstract_state["params"]["blocks"])
     assert report.measured(("fsdp",), ("all-gather",)) >= 7 / 8 * blocks  # every block weight, at least once
     gradients = report.measured(("fsdp",), ("all-reduce", "reduce-scatter", "all-to-all"))
     assert gradients >= 7 / 8 * blocks
@@ -174,10 +174,10 @@ def test_fsdp_gathers_weights_and_reduces_gradients_over_fsdp():
 
 def test_data_and_tensor_axes_are_separated():
     run = make_run("data=2,tensor=4")
-    report = communication_report(run.train_step, run.plan.mesh)
+    report = communication_report(run.train_step, run.shardings.mesh)
     assert {(r.axes, r.kind) for r in report.rows} == {(("data",), "all-reduce"), (("tensor",), "all-reduce")}
     # Over data=2 a ring all-reduce sends 2(N-1)/N = 1x each device's share of the gradient.
-    per_device = tree_device_bytes(run.plan.abstract_state["params"])
+    per_device = tree_device_bytes(run.shardings.abstract_state["params"])
     assert report.measured(("data",), ("all-reduce",)) == pytest.approx(per_device, rel=0.01)
     tensor = next(r for r in report.rows if r.axes == ("tensor",))
     assert tensor.executions >= 4 * run.cfg.model.n_layers  # attention and MLP outputs, forward and backward

@@ -62,15 +62,15 @@ def test_the_config_a_run_writes_reruns_it_exactly(tmp_path, capsys):
     assert len(losses) == 6 and {row["step"]: row["loss"] for row in rows} == losses  # exactly
     assert {row["run"] for row in rows} == {json.loads(open(tmp_path / "first.jsonl").readline())["run"]}
     again = tomllib.loads((second / CONFIG_FILE).read_text())
-    assert (again["train"].pop("checkpoint_dir"), written["train"].pop("checkpoint_dir")) == (str(second), str(first))
-    assert again["train"].pop("metrics_file") != written["train"].pop("metrics_file")
+    assert (again["checkpoint"].pop("dir"), written["checkpoint"].pop("dir")) == (str(second), str(first))
+    assert again["tracking"].pop("metrics_file") != written["tracking"].pop("metrics_file")
     assert again == written
     assert not [p.name for p in first.iterdir() if p.name.endswith(".tmp")]  # the write left no temporary file
 
 
 @pytest.mark.parametrize("model", available_models())
 def test_a_written_config_reads_back_to_the_same_config(model, tmp_path):
-    cfg = apply_overrides(default_config(model), [f"checkpoint_dir={tmp_path}", "learning_rate=1", "rules.x=a,b"])
+    cfg = apply_overrides(default_config(model), [f"checkpoint.dir={tmp_path}", "learning_rate=1", "rules.x=a,b"])
     assert load_config(write_config(cfg)) == cfg  # types as they were: 1.0 a float, tuples tuples
 
 
@@ -94,7 +94,7 @@ def test_help_config_shows_type_choices_bounds_and_help(capsys):
         '# str: one of float32, bfloat16, float16 · compute dtype; params stay float32\nmodel.dtype = "float32"',
         "# int >= 1 · transformer blocks\nmodel.n_layers = 2",
         "# float >= 0, < 1 · first-moment decay of AdamW, Lion and Muon's AdamW\noptimizer.beta1 = 0.9",
-        '# str: one of gpipe, 1f1b, interleaved · pipeline schedule\ntrain.schedule = "1f1b"',
+        '# str: one of gpipe, 1f1b, interleaved · pipeline schedule\npipeline.schedule = "1f1b"',
         "# bool · a progress bar, not log lines\ntrain.progress = true",
     ]:
         assert shown in printed
@@ -120,11 +120,12 @@ def test_precedence_preset_file_flags_overrides(tmp_path):
 
 
 def test_the_cli_reads_the_file_under_its_flags(tmp_path, capsys):
-    path = write(tmp_path, 'model_name = "gpt-tiny"\nmesh = "data=8"\n[train]\nsteps = 5\nschedule = "gpipe"\n')
+    text = 'model_name = "gpt-tiny"\nmesh = "data=8"\n[train]\nsteps = 5\n[pipeline]\nschedule = "gpipe"\n'
+    path = write(tmp_path, text)
     status, printed = run_cli(["train", "--config", str(path), "--steps", "6", "--help-config"], capsys)
     assert status == 0, printed
     listed = tomllib.loads(printed)
-    assert (listed["model_name"], listed["mesh"], listed["train"]["steps"], listed["train"]["schedule"]) == (
+    assert (listed["model_name"], listed["mesh"], listed["train"]["steps"], listed["pipeline"]["schedule"]) == (
         "gpt-tiny",
         "data=8",
         6,
@@ -145,7 +146,7 @@ def test_the_cli_reads_the_file_under_its_flags(tmp_path, capsys):
         ("[optimizer]\nbeta1 = 1.0\n", ["optimizer.beta1=1.0: expected a finite number >= 0 and < 1"]),
         ('[model]\ndtype = "fp16"\n', ["model.dtype='fp16' is not one of float32, bfloat16, float16"]),
         ('[optimizer]\nname = "adam"\n', ["optimizer.name='adam' is not one of adamw, sgd, adafactor, lion, muon"]),
-        ('[train]\nsync = "async"\n', ["train.sync='async' is not one of synchronous, local_sgd, diloco, stale"]),
+        ('[updates]\npolicy = "async"\n', ["updates.policy='async' is not one of synchronous, local_sgd, diloco"]),
         ('[data]\npartition = "iid"\n', ["data.partition='iid' is not one of uniform, stratified, by_label"]),
         ("mesh = 8\n", ["mesh=8: expected a string"]),
         ("train = 3\n", ["train=3: expected a table ([train])"]),
@@ -166,8 +167,10 @@ def test_a_bad_file_is_refused_as_it_is_read(text, says, tmp_path, capsys, no_tr
 
 
 def test_every_bad_value_of_a_file_is_named_at_once(tmp_path):
-    path = write(tmp_path, '[model]\ndtype = "fp16"\nn_layers = 0\n[train]\nsync = "x"\n')
-    with pytest.raises(ConfigError, match=r"model.dtype='fp16' .*; model.n_layers=0: .*; train.sync='x' is not one"):
+    path = write(tmp_path, '[model]\ndtype = "fp16"\nn_layers = 0\n[updates]\npolicy = "x"\n')
+    with pytest.raises(
+        ConfigError, match=r"model.dtype='fp16' .*; model.n_layers=0: .*; updates.policy='x' is not one"
+    ):
         load_config(path)
 
 
@@ -176,9 +179,9 @@ def test_every_bad_value_of_a_file_is_named_at_once(tmp_path):
     [
         ("dtype=fp16", "model.dtype='fp16' is not one of float32, bfloat16, float16"),
         ("optimizer.name=adam", "optimizer.name='adam' is not one of adamw, sgd, adafactor, lion, muon"),
-        ("train.sync=async", "train.sync='async' is not one of synchronous, local_sgd, diloco, stale"),
-        ("grad_sync=nccl", "train.grad_sync='nccl' is not one of xla, fused, ring, hierarchical, parameter_server"),
-        ("schedule=zb", "train.schedule='zb' is not one of gpipe, 1f1b, interleaved"),
+        ("updates.policy=async", "updates.policy='async' is not one of synchronous, local_sgd, diloco, stale"),
+        ("allreduce.algorithm=nccl", "allreduce.algorithm='nccl' is not one of xla, fused, ring, hierarchical, star"),
+        ("schedule=zb", "pipeline.schedule='zb' is not one of gpipe, 1f1b, interleaved"),
         ("data.partition=iid", "data.partition='iid' is not one of uniform, stratified, by_label"),
         ("remat=some", "model.remat='some' is not one of none, full, save_dots"),
     ],
@@ -197,7 +200,7 @@ def test_yaml_is_refused_saying_why(tmp_path):
 
 
 def test_a_failed_write_keeps_the_previous_config(tmp_path, monkeypatch):
-    cfg = apply_overrides(default_config("gpt-tiny"), [f"checkpoint_dir={tmp_path}"])
+    cfg = apply_overrides(default_config("gpt-tiny"), [f"checkpoint.dir={tmp_path}"])
     write_config(cfg)
     before = (tmp_path / CONFIG_FILE).read_text()
 

@@ -52,12 +52,12 @@ def gradient_run(
     if packing:
         batch["segment_ids"] = packed(batch["tokens"])
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-    abstract = run.plan.abstract_batch(shapes, run.cfg.train.grad_accum)
+    abstract = run.shardings.abstract_batch(shapes, run.cfg.train.grad_accum)
     batch = {k: jax.device_put(v, abstract[k].sharding) for k, v in batch.items()}
-    compiled = run.plan.compile(run.grad_fn, run.plan.abstract_state["params"], abstract, donate_state=False)
-    params = run.plan.init_state(run.optimizer, run.cfg.train.seed)["params"]
+    compiled = run.shardings.compile(run.grad_fn, run.shardings.abstract_state["params"], abstract, donate_state=False)
+    params = run.shardings.init_state(run.optimizer, run.cfg.train.seed)["params"]
     (loss, _), grads = compiled(params, batch)
-    leaves = jax.tree.leaves(jax.device_get(run.plan.params_in_model_order(grads)))
+    leaves = jax.tree.leaves(jax.device_get(run.shardings.params_in_model_order(grads)))
     return float(loss), [np.asarray(g) for g in leaves], compiled, run
 
 
@@ -107,7 +107,7 @@ def test_long_sequence_equals_one_device(algorithm):
 def context_traffic(mesh: str, algorithm: str, packing: bool = False, overrides=()):
     """The compiled gradient's collectives over the context axis alone, and the run."""
     _, _, compiled, run = gradient_run(mesh, 512, (f"context_parallel={algorithm}", *overrides), packing)
-    return communication_report(compiled, run.plan.mesh), compiled, run
+    return communication_report(compiled, run.shardings.mesh), compiled, run
 
 
 def test_ring_passes_kv_blocks_and_gathers_no_activations():
@@ -139,7 +139,7 @@ def test_context_bytes_equal_the_analytic_model(algorithm):
     report, _, run = context_traffic("context=4", algorithm, True)
     kinds = ("collective-permute",) if algorithm == "ring" else ("all-gather", "reduce-scatter")
     measured = report.measured(("context",), kinds)
-    expected = sum(t.bytes for t in context_attention_bytes(run.cfg, run.plan))
+    expected = sum(t.bytes for t in context_attention_bytes(run.cfg, run.shardings))
     assert measured == pytest.approx(expected, rel=0.05), (measured, expected)
 
 
@@ -224,11 +224,11 @@ def test_moe_with_experts_and_context_equals_one_device():
 
 
 CHECKPOINTED = ["batch_size=8", "seq_len=64", "warmup_steps=1", "learning_rate=0.01", "steps=4", "log_every=1"]
-CHECKPOINTED += ["eval_every=1000", "progress=false", "checkpoint_every=2"]
+CHECKPOINTED += ["eval_every=1000", "progress=false", "checkpoint.every=2"]
 
 
 def train_losses(mesh: str, directory, devices: int) -> dict[int, float]:
-    cfg = apply_overrides(default_config("gpt-tiny"), [*CHECKPOINTED, f"mesh={mesh}", f"checkpoint_dir={directory}"])
+    cfg = apply_overrides(default_config("gpt-tiny"), [*CHECKPOINTED, f"mesh={mesh}", f"checkpoint.dir={directory}"])
     return {r["step"]: r["loss"] for r in train(cfg, log=lambda *_: None, devices=jax.devices()[:devices])["history"]}
 
 

@@ -7,7 +7,7 @@ from conftest import shared_file
 from helpers import make_run
 
 from jaxtrain.data.datasets import DataError, Digits, SyntheticTokens, builtin_text, global_batch, make_dataset
-from jaxtrain.placement.model import PlanError
+from jaxtrain.placement.model import PlacementError
 from jaxtrain.sharding.rules import ShardingRuleError
 
 
@@ -55,7 +55,7 @@ def test_wrong_data_for_model():
 
 def test_batch_not_divisible_by_batch_axes():
     with pytest.raises(
-        PlanError,
+        PlacementError,
         match=r"global batch size 6 is not divisible by 1 accumulation step\(s\) x 8 devices "
         r"on the batch axes \(data=8\). Use a batch size that is a multiple of 8",
     ):

@@ -23,7 +23,7 @@ from jaxtrain.training.checkpoint import CheckpointWriteError, restore
 from jaxtrain.training.loop import train
 from jaxtrain.training.recovery import Diverged
 from jaxtrain.training.run_lock import LOCK_NAME
-from jaxtrain.training.setup import Setup, build
+from jaxtrain.training.setup import Run, build
 
 ROOT = Path(__file__).resolve().parent.parent
 EVERY = 10  # steps between checkpoints in the kill test
@@ -67,7 +67,7 @@ def newest(directory: Path) -> int:
 
 def final_params(directory: Path) -> list[np.ndarray]:
     cfg = apply_overrides(default_config("gpt-tiny"), ["batch_size=8", "seq_len=32", "mesh=data=8"])
-    state, _ = restore(directory / str(STEPS), build(cfg, log=lambda *_: None).plan.abstract_model_state())
+    state, _ = restore(directory / str(STEPS), build(cfg, log=lambda *_: None).shardings.abstract_model_state())
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
 
 
@@ -126,7 +126,7 @@ RUN += ["progress=false", "mesh=data=8"]
 
 
 def config(directory: Path | None, extra=()):
-    where = [f"checkpoint_dir={directory}"] if directory else []
+    where = [f"checkpoint.dir={directory}"] if directory else []
     return apply_overrides(default_config("gpt-tiny"), [*RUN, *where, *extra])
 
 
@@ -135,7 +135,7 @@ def poisoned_batches(monkeypatch):
     """Train batches whose index is in the returned set give a NaN loss (their tokens are all NUL, a byte the
     built-in text never has, and the wrapped loss turns that into NaN)."""
     bad: set[int] = set()
-    make_loss, make_batch = ModelParts.loss_fn, Setup.batch
+    make_loss, make_batch = ModelParts.loss_fn, Run.batch
 
     def loss_fn(self, params, batch):
         loss, metrics = make_loss(self, params, batch)
@@ -148,7 +148,7 @@ def poisoned_batches(monkeypatch):
         return batch
 
     monkeypatch.setattr(ModelParts, "loss_fn", loss_fn)
-    monkeypatch.setattr(Setup, "batch", batch)
+    monkeypatch.setattr(Run, "batch", batch)
     return bad
 
 
@@ -157,7 +157,7 @@ def test_nonfinite_steps_in_a_row_roll_back_and_skip_the_data(poisoned_batches, 
     checkpoint and continues with batch 8, so step 5 is trained on batch 8."""
     poisoned_batches.update({5, 6, 7})
     metrics = tmp_path / "m.jsonl"
-    cfg = config(tmp_path / "ckpt", ["steps=10", "checkpoint_every=4", "rollback_after=3", f"metrics_file={metrics}"])
+    cfg = config(tmp_path / "ckpt", ["steps=10", "checkpoint.every=4", "rollback_after=3", f"metrics_file={metrics}"])
     logs = []
     summary = train(cfg, log=logs.append)
     assert summary["rollbacks"] == 1 and summary["nonfinite_total"] == 3
@@ -173,10 +173,10 @@ def test_nonfinite_steps_in_a_row_roll_back_and_skip_the_data(poisoned_batches, 
     assert rows[4]["nonfinite_total"] == 3  # the rollback shows in the row after it
 
     run = build(cfg, log=lambda *_: None)  # step 5 after the rollback: step 4's params on batch 8
-    state, meta = restore(tmp_path / "ckpt" / "4", run.plan.abstract_model_state())
-    expected = run.compiled_eval(run.plan.state_from_model_order(state)["params"], run.batch("train", 8))["loss"]
+    state, meta = restore(tmp_path / "ckpt" / "4", run.shardings.abstract_model_state())
+    expected = run.compiled_eval(run.shardings.state_from_model_order(state)["params"], run.batch("train", 8))["loss"]
     assert records[7]["loss"] == pytest.approx(float(expected), rel=1e-6)
-    _, meta = restore(tmp_path / "ckpt" / "10", run.plan.abstract_model_state())
+    _, meta = restore(tmp_path / "ckpt" / "10", run.shardings.abstract_model_state())
     assert (meta["step"], meta["data_offset"], meta["nonfinite_total"], meta["rollbacks"]) == (10, 4, 3, 1)
 
 
@@ -186,7 +186,7 @@ def test_rolling_back_to_one_checkpoint_a_fourth_time_stops_the_run(poisoned_bat
     poisoned_batches.update(range(4, 100))
     directory, logs = tmp_path / "ckpt", []
     with pytest.raises(Diverged) as stopped:
-        train(config(directory, ["steps=10", "checkpoint_every=4", "rollback_after=2"]), log=logs.append)
+        train(config(directory, ["steps=10", "checkpoint.every=4", "rollback_after=2"]), log=logs.append)
     assert str(stopped.value).startswith(
         "2 non-finite steps in a row (steps 5-6), after rolling back to step 4 3 times already: the run diverges"
     )
@@ -202,11 +202,11 @@ def checkpoint_steps(directory: Path) -> list[int]:
 
 
 def test_retention_holds_exactly_after_rollbacks_and_resumes(poisoned_batches, tmp_path):
-    """checkpoint_keep=2, checkpoint_keep_every=4, a checkpoint every 2 steps to step 12: the newest two and every
+    """checkpoint.keep=2, checkpoint.keep_every=4, a checkpoint every 2 steps to step 12: the newest two and every
     4th, exactly, after a rollback, after a resume past an unreadable checkpoint (moved aside, never deleted), and
     after a resume from an older one."""
     directory = tmp_path / "ckpt"
-    cfg = config(directory, ["steps=12", "checkpoint_every=2", "checkpoint_keep=2", "checkpoint_keep_every=4"])
+    cfg = config(directory, ["steps=12", "checkpoint.every=2", "checkpoint.keep=2", "checkpoint.keep_every=4"])
     cfg = apply_overrides(cfg, ["rollback_after=2"])
     poisoned_batches.update({7, 8})  # steps 8 and 9: no save at 8, back to step 6, on with batch 9
     assert train(cfg, log=lambda *_: None)["rollbacks"] == 1
@@ -257,7 +257,7 @@ def test_failed_write_stops_the_run_naming_the_path(disk_full_at_step, tmp_path)
     disk_full_at_step.add(4)
     directory = tmp_path / "ckpt"
     with pytest.raises(CheckpointWriteError) as failure:
-        train(config(directory, ["steps=8", "checkpoint_every=2"]), log=lambda *_: None)
+        train(config(directory, ["steps=8", "checkpoint.every=2"]), log=lambda *_: None)
     message = str(failure.value)
     assert f"saving checkpoint {directory / '4'} failed" in message and "No space left on device" in message
     assert f"the newest complete checkpoint, {directory / '2'}, is intact" in message
@@ -266,14 +266,14 @@ def test_failed_write_stops_the_run_naming_the_path(disk_full_at_step, tmp_path)
         "config.toml",
     ]  # the partial write is gone, step 2 untouched
     run = build(config(directory, ["steps=8"]), log=lambda *_: None)
-    _, meta = restore(directory / "2", run.plan.abstract_model_state())
+    _, meta = restore(directory / "2", run.shardings.abstract_model_state())
     assert meta["step"] == 2
 
 
 def test_failed_write_can_be_survived(disk_full_at_step, tmp_path):
     disk_full_at_step.add(4)
     directory, logs = tmp_path / "ckpt", []
-    summary = train(config(directory, ["steps=8", "checkpoint_every=2", "checkpoint_failure=continue"]), logs.append)
+    summary = train(config(directory, ["steps=8", "checkpoint.every=2", "checkpoint.on_failure=continue"]), logs.append)
     assert summary["steps"] == 8
     assert any("saving checkpoint" in line and "Training continues" in line for line in logs), logs
     assert sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) == [

@@ -18,7 +18,7 @@ from jaxtrain.inference.generate import (
     GenerationError,
     Generator,
     generate,
-    generation_plan,
+    generation_shardings,
     tokenizer_for,
 )
 from jaxtrain.inference.sampling import Sampling, filtered_logits, sample
@@ -117,12 +117,12 @@ def test_bad_sampling_settings_are_clear_errors(settings, message):
 @pytest.fixture(scope="module")
 def model_and_params():
     run = cached_run("single", model=MODEL)
-    return run, jax.device_get(run.plan.init_state(run.optimizer, 0)["params"])
+    return run, jax.device_get(run.shardings.init_state(run.optimizer, 0)["params"])
 
 
 def generator(run, params, mesh: str, devices: int) -> Generator:
     mesh = build_mesh(parse_layout(mesh), jax.devices()[:devices])
-    return Generator(generation_plan(run.placed.on_mesh(mesh)), params, run.cfg)
+    return Generator(generation_shardings(run.placed.on_mesh(mesh)), params, run.cfg)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def assert_matches_full_forward(run, params, prompts, result, atol=1e-5):
     padded = np.zeros((len(sequences), max(map(len, sequences))), np.int32)
     for row, sequence in enumerate(sequences):
         padded[row, : len(sequence)] = sequence
-    full = np.asarray(jax.jit(lambda p, t: nnx.merge(run.plan.model.graphdef, p)(t))(params, padded))  # (B, T, V)
+    full = np.asarray(jax.jit(lambda p, t: nnx.merge(run.shardings.model.graphdef, p)(t))(params, padded))  # (B, T, V)
     for row, (prompt, continuation, logits) in enumerate(zip(prompts, result.tokens, result.logits)):
         assert len(continuation) == NEW
         steps = full[row, len(prompt) - 1 : len(prompt) - 1 + NEW]
@@ -205,7 +205,7 @@ def test_no_text_prompts_for_synthetic_tokens_and_no_pipeline_meshes(model_and_p
     run = model_and_params[0]
     mesh = build_mesh(parse_layout("pipeline=2"), jax.devices()[:2])
     with pytest.raises(GenerationError, match="the mesh has pipeline=2. Give a --mesh without a pipeline axis"):
-        generation_plan(run.placed.on_mesh(mesh))
+        generation_shardings(run.placed.on_mesh(mesh))
 
 
 # From a checkpoint, and the command -------------------------------------------------------------------------------
@@ -277,14 +277,14 @@ def test_generate_from_a_missing_or_non_language_checkpoint(tmp_path, capsys):
     assert f"error: no checkpoint at {tmp_path / 'nowhere'}" in capsys.readouterr().err
     directory = tmp_path / "mlp"
     overrides = ["steps=1", "batch_size=8", "data.source=synthetic", "progress=false", "mesh=data=1"]
-    overrides.append(f"checkpoint_dir={directory}")
+    overrides.append(f"checkpoint.dir={directory}")
     train(apply_overrides(default_config("mlp"), overrides), log=lambda *_: None, devices=jax.devices()[:1])
     with pytest.raises(GenerationError, match="holds model mlp-.*, a classification model: generation needs a"):
         Generator.restore(directory / "1", "data=1", jax.devices()[:1])
     with pytest.raises(CheckpointError, match="expected a run directory"):
         Generator.restore(tmp_path, "data=1")
     moe = tmp_path / "moe"
-    moe_overrides = [*overrides[:-1], f"checkpoint_dir={moe}", "seq_len=16", "data.source=builtin"]
+    moe_overrides = [*overrides[:-1], f"checkpoint.dir={moe}", "seq_len=16", "data.source=builtin"]
     train(apply_overrides(default_config("moe-tiny"), moe_overrides), log=lambda *_: None, devices=jax.devices()[:1])
     with pytest.raises(GenerationError, match="has no init_cache, cache_names, extend"):
         Generator.restore(moe / "1", "data=1", jax.devices()[:1])
@@ -307,7 +307,7 @@ def test_a_model_trained_on_tinyshakespeare_writes_text(tmp_path):
         "eval_every=400",
         "eval_batches=8",
         "progress=false",
-        f"checkpoint_dir={tmp_path / 'ckpt'}",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
     ]
     summary = train(
         apply_overrides(default_config("gpt-tiny"), overrides), log=lambda *_: None, devices=jax.devices()[:4]

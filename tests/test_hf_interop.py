@@ -19,7 +19,7 @@ from helpers import make_run
 
 from jaxtrain.cli import main
 from jaxtrain.interop.exporting import export_hf, write_hf
-from jaxtrain.interop.importing import HFCheckpoint, import_hf, params_plan
+from jaxtrain.interop.importing import HFCheckpoint, import_hf, params_shardings
 from jaxtrain.run_config import apply_overrides
 from jaxtrain.training.setup import build
 
@@ -102,16 +102,16 @@ def assert_logits_close(ours: np.ndarray, theirs: np.ndarray, rtol: float = RTOL
 def logits_on(mesh: str, source: HFCheckpoint, tokens: np.ndarray, devices: int = 8) -> np.ndarray:
     """The imported model's logits with its params read straight onto `mesh` (each device's shard alone)."""
     cfg = source.run_config("float32")
-    plan = params_plan(cfg, mesh, jax.devices()[:devices])
-    params = source.read_params(cfg.model, plan.abstract_state["params"])
-    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(plan.abstract_state["params"])):
+    shardings = params_shardings(cfg, mesh, jax.devices()[:devices])
+    params = source.read_params(cfg.model, shardings.abstract_state["params"])
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(shardings.abstract_state["params"])):
         assert got.sharding == want.sharding
     w_q = params["blocks"]["w_q"]
     assert devices == 1 or w_q.addressable_shards[0].data.size < w_q.size  # read in pieces, not whole and split
-    graphdef = plan.model.graphdef
-    batch = jax.ShapeDtypeStruct(tokens.shape, np.int32, sharding=plan.batch_sharding(tokens.shape))
-    forward = plan.compile(
-        lambda p, t: nnx.merge(graphdef, p)(t), plan.abstract_state["params"], batch, donate_state=False
+    graphdef = shardings.model.graphdef
+    batch = jax.ShapeDtypeStruct(tokens.shape, np.int32, sharding=shardings.batch_sharding(tokens.shape))
+    forward = shardings.compile(
+        lambda p, t: nnx.merge(graphdef, p)(t), shardings.abstract_state["params"], batch, donate_state=False
     )
     return np.asarray(forward(params, jax.device_put(tokens.astype(np.int32), batch.sharding)))
 
@@ -138,9 +138,9 @@ def test_the_pipelined_loss_of_an_import_equals_transformers(hf_dir):
         ["mesh=pipeline=2,data=2,tensor=2", "batch_size=4", "seq_len=23", "microbatches=2", "log_every=1"],
     )
     run = build(cfg, log=lambda *_: None)
-    params = source.read_params(cfg.model, run.plan.abstract_model_state()["params"])
-    state = run.plan.init_state(run.optimizer, 0, params)
-    batch = {"tokens": jax.device_put(TOKENS.astype(np.int32), run.plan.batch_sharding(TOKENS.shape))}
+    params = source.read_params(cfg.model, run.shardings.abstract_model_state()["params"])
+    state = run.shardings.init_state(run.optimizer, 0, params)
+    batch = {"tokens": jax.device_put(TOKENS.astype(np.int32), run.shardings.batch_sharding(TOKENS.shape))}
     ours = float(run.compiled_eval(state["params"], batch)["loss"])
     logits = torch.tensor(hf_logits(model, TOKENS))[:, :-1]
     theirs = float(
@@ -184,15 +184,15 @@ def test_import_then_export_loads_in_transformers_with_the_same_logits(variant, 
 )
 def test_a_jaxtrain_trained_model_exports_with_the_logits_jaxtrain_computes(overrides, architecture, tmp_path):
     run = make_run("single", list(overrides), model="llama-tiny", devices=1)
-    state = run.plan.init_state(run.optimizer, 0)
+    state = run.shardings.init_state(run.optimizer, 0)
     for step in range(3):  # trained a little: biases and norms move off their initial zeros and ones
         state, _ = run.train_step(state, run.batch("train", step))
-    params = run.plan.params_in_model_order(state["params"])
+    params = run.shardings.params_in_model_order(state["params"])
     out = write_hf(params, run.cfg.model, tmp_path / "hf")
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(back).__name__ == architecture
     tokens = np.random.default_rng(1).integers(0, 256, (2, 24))
-    ours = nnx.merge(run.plan.model.graphdef, params)(tokens)
+    ours = nnx.merge(run.shardings.model.graphdef, params)(tokens)
     assert_logits_close(ours, hf_logits(back, tokens))
 
 
@@ -298,9 +298,9 @@ def test_the_checkpoint_dtype_is_kept_or_cast(hf_dir, tmp_path):
     source = HFCheckpoint(tmp_path / "bf16")
     assert source.run_config().model.dtype == "bfloat16"
     assert source.run_config("float32").model.dtype == "float32"
-    plan = params_plan(source.run_config(), "data=1", jax.devices()[:1])
+    shardings = params_shardings(source.run_config(), "data=1", jax.devices()[:1])
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype("bfloat16")), plan.abstract_state["params"]
+        lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype("bfloat16")), shardings.abstract_state["params"]
     )
     params = source.read_params(source.run_config().model, abstract)
     embedding = params["embedding"]
@@ -326,8 +326,8 @@ def test_fine_tuning_an_import_lowers_the_loss_and_exports(hf_dir, tmp_path):
         "train.log_every=10",
         "warmup_steps=5",
         "optimizer.learning_rate=0.003",
-        f"train.restore={out}",
-        f"train.checkpoint_dir={tmp_path / 'run'}",
+        f"checkpoint.restore={out}",
+        f"checkpoint.dir={tmp_path / 'run'}",
         "train.progress=false",
     ]
     summary = train(load_config(out / "config.toml", overrides=overrides), log=lambda *_: None)
@@ -340,8 +340,8 @@ def test_fine_tuning_an_import_lowers_the_loss_and_exports(hf_dir, tmp_path):
     assert (exported / "tokenizer.json").read_bytes() == (out / "hf" / "tokenizer.json").read_bytes()
     back = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     assert type(back) is type(model)
-    params = jax.device_get(summary["run"].plan.params_in_model_order(summary["state"]["params"]))
-    ours = nnx.merge(summary["run"].plan.model.graphdef, params)(TOKENS)
+    params = jax.device_get(summary["run"].shardings.params_in_model_order(summary["state"]["params"]))
+    ours = nnx.merge(summary["run"].shardings.model.graphdef, params)(TOKENS)
     assert_logits_close(ours, hf_logits(back, TOKENS))
 
 

@@ -27,7 +27,7 @@ def compiled_collectives(mesh, devices=8, overrides=()):
 def weight_shapes(run):
     """Global shapes of whole weight matrices, with and without the stacked `layers` dim."""
     shapes = set()
-    for p in jax.tree.leaves(run.plan.abstract_state["params"]):
+    for p in jax.tree.leaves(run.shardings.abstract_state["params"]):
         if len(p.shape) >= 2:
             shapes.add(tuple(p.shape))
             shapes.add(tuple(p.shape[1:]))
@@ -35,11 +35,13 @@ def weight_shapes(run):
 
 
 def test_data_parallel_one_fused_gradient_all_reduce_and_no_gathers():
-    run, found = compiled_collectives("data=8", overrides=["grad_sync=fused", "grad_accum=2", "batch_size=16"])
+    run, found = compiled_collectives(
+        "data=8", overrides=["allreduce.algorithm=fused", "grad_accum=2", "batch_size=16"]
+    )
     assert [c.kind for c in found] == ["all-reduce"]
     (reduce,) = found
     assert reduce.executions == 1 and reduce.group_size == 8  # once per step, even with gradient accumulation
-    param_bytes = total_bytes(run.plan.abstract_state["params"])
+    param_bytes = total_bytes(run.shardings.abstract_state["params"])
     assert param_bytes <= reduce.bytes <= param_bytes + 64  # the gradient plus loss/metric scalars
 
 
@@ -48,7 +50,7 @@ def test_data_parallel_by_xla_reduces_each_layer_in_the_backward_loop():
     assert {c.kind for c in found} == {"all-reduce"}  # never gathers a parameter
     in_loop = [c for c in found if c.executions == run.cfg.model.n_layers]
     assert len(in_loop) == 1 and all(c.group_size == 8 for c in found)
-    param_bytes = total_bytes(run.plan.abstract_state["params"])
+    param_bytes = total_bytes(run.shardings.abstract_state["params"])
     assert param_bytes <= sum(c.bytes * c.executions for c in found) <= param_bytes + 64
 
 
@@ -67,19 +69,21 @@ def test_fsdp_gathers_each_layer_weight_and_reduces_gradients():
     layers = run.cfg.model.n_layers
     gathered = {s for c in found if c.kind == "all-gather" and c.executions == layers for _, s in c.shapes}
     block_weights = {
-        tuple(p.shape[1:]) for p in jax.tree.leaves(run.plan.abstract_state["params"]["blocks"]) if len(p.shape) > 2
+        tuple(p.shape[1:])
+        for p in jax.tree.leaves(run.shardings.abstract_state["params"]["blocks"])
+        if len(p.shape) > 2
     }
     assert block_weights <= gathered  # every block weight is all-gathered inside the layer loop
     summary = summarize(found)
     reduced = sum(summary.get(kind, {}).get("bytes", 0) for kind in REDUCTIONS)
     # CPU XLA reduces FSDP gradients with all-reduce/all-to-all where a TPU would reduce-scatter: count them all.
-    assert reduced >= total_bytes(run.plan.abstract_state["params"]["blocks"]) * 0.9
+    assert reduced >= total_bytes(run.shardings.abstract_state["params"]["blocks"]) * 0.9
     assert all(c.group_size == 8 for c in found if c.kind in REDUCTIONS + ("all-gather",))
 
 
 def test_fsdp_state_memory_is_one_eighth(capfd, fresh_compiles):
     run = make_run("fsdp=8", ["d_model=128", "d_ff=512"])
-    state = run.plan.abstract_state
+    state = run.shardings.abstract_state
     memory = run.train_step.memory_analysis()
     batch_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in run.dataset.shapes(8).values()) // 8
     state_per_device = memory.argument_size_in_bytes - batch_bytes

@@ -12,19 +12,19 @@ from helpers import aot_run, aot_target
 from jaxtrain.analysis.comm_report import communication_report, program_devices
 from jaxtrain.analysis.hlo import collectives, parse_module, trip_count
 from jaxtrain.analysis.memory import memory_report
-from jaxtrain.training.setup import Setup, communication, communication_summary
+from jaxtrain.training.setup import Run, communication, communication_summary
 
 LAYERS = ("n_layers=3",)  # a layer count unlike the program's other counts (2 loops, 2 passes)
 FSDP = 8
 
 
 @functools.cache
-def tpu_run(mesh: str = f"fsdp={FSDP}", overrides: tuple[str, ...] = LAYERS, model: str = "gpt-tiny") -> Setup:
+def tpu_run(mesh: str = f"fsdp={FSDP}", overrides: tuple[str, ...] = LAYERS, model: str = "gpt-tiny") -> Run:
     return aot_run(aot_target("v5p:2x2x2"), mesh, overrides, model)
 
 
 @functools.cache
-def gpu_run() -> Setup:
+def gpu_run() -> Run:
     return aot_run(aot_target("h100:8"), f"fsdp={FSDP}", LAYERS)
 
 
@@ -32,17 +32,17 @@ def fsdp_sharded(tree) -> list[jax.ShapeDtypeStruct]:
     return [w for w in jax.tree.leaves(tree) if "fsdp" in jax.tree.leaves(tuple(w.sharding.spec))]
 
 
-def layer_bytes(run: Setup, itemsize: int, shards: int = 1) -> int:
+def layer_bytes(run: Run, itemsize: int, shards: int = 1) -> int:
     """Bytes of one layer's FSDP-sharded block weights, whole (shards=1) or one device's share, at `itemsize`."""
-    sharded = fsdp_sharded(run.plan.abstract_state["params"]["blocks"])
+    sharded = fsdp_sharded(run.shardings.abstract_state["params"]["blocks"])
     return sum(w.size // w.shape[0] for w in sharded) * itemsize // shards
 
 
-def head_bytes(run: Setup, itemsize: int, shards: int = 1) -> int:
-    return run.plan.abstract_state["params"]["head"].size * itemsize // shards
+def head_bytes(run: Run, itemsize: int, shards: int = 1) -> int:
+    return run.shardings.abstract_state["params"]["head"].size * itemsize // shards
 
 
-def loop_trip_counts(run: Setup) -> list[int]:
+def loop_trip_counts(run: Run) -> list[int]:
     module = parse_module(run.train_step.as_text())
     return [
         trip_count(module, name, instruction)
@@ -68,7 +68,7 @@ def test_tpu_fsdp_gathers_bf16_weights_per_layer_and_all_reduces_gradients():
     # In each layer, forward and backward, every FSDP-sharded weight is gathered once, cast to bf16 first.
     gathered = sum(c.bytes * c.executions for c in found if c.kind == "all-gather" and c.executions == layers)
     assert gathered == 2 * layers * layer_bytes(run, itemsize=2)
-    report = communication_report(run.train_step, run.plan.mesh)
+    report = communication_report(run.train_step, run.shardings.mesh)
     assert {r.axes for r in report.rows} == {("fsdp",)}
     ring = (FSDP - 1) / FSDP
     # Beside them the head's weight (in bf16) and the batch's token ids (0.2%) are gathered.
@@ -82,7 +82,7 @@ def test_tpu_fsdp_gathers_bf16_weights_per_layer_and_all_reduces_gradients():
 
 def test_communication_report_and_setup_on_a_tpu_run():
     run = tpu_run()
-    mesh = run.plan.mesh
+    mesh = run.shardings.mesh
     # The device order comes from the compiled program: the mesh's devices, which are not in id order here.
     assert [d.id for d in program_devices(run.train_step)] == [d.id for d in mesh.devices.flat]
     assert [d.id for d in mesh.devices.flat] != sorted(d.id for d in mesh.devices.flat)
@@ -100,11 +100,11 @@ def test_tpu_all_reduce_scatter_fusions_are_reduce_scatters():
     fused = [c for c in found if c.via == "all-reduce-scatter fusion"]
     assert fused and all(c.kind == "reduce-scatter" for c in fused)
     # Each keeps one device's quarter of f32 gradients of FSDP-sharded weights: the shapes of the weights' shards.
-    params = run.plan.abstract_state["params"]
+    params = run.shardings.abstract_state["params"]
     shards = {w.sharding.shard_shape(w.shape)[1:] for w in fsdp_sharded(params["blocks"])}
     shards.add(params["head"].sharding.shard_shape(params["head"].shape))
     assert {dims for c in fused for _, dims in c.shapes} <= shards
-    report = communication_report(run.train_step, run.plan.mesh)
+    report = communication_report(run.train_step, run.shardings.mesh)
     fsdp_scatter = sum(3 * c.bytes * c.executions for c in fused)  # (N-1) x the share, N = 4
     assert report.measured(("fsdp",), ("reduce-scatter",)) == pytest.approx(fsdp_scatter)
 
@@ -116,7 +116,7 @@ def test_tpu_windowed_einsums_count_as_the_gathers_and_reduce_scatters_they_repl
     layers = run.cfg.model.n_layers
     found = collectives(run.train_step.as_text())
     assert not [c for c in found if c.kind == "collective-permute"]  # every permute is part of a windowed einsum
-    report = communication_report(run.train_step, run.plan.mesh)
+    report = communication_report(run.train_step, run.shardings.mesh)
     rows = {(r.axes, r.kind): r for r in report.rows}
     assert rows[("fsdp",), "all-gather"].via == ("windowed einsum",)
     # Each windowed einsum sends FSDP + 1 shards round the ring (two trips of four permutes for 8 devices, and one
@@ -133,7 +133,7 @@ def test_a_multi_slice_step_counts_every_slice_and_what_crosses_them():
     # Two v5p:2x2x2 slices, data parallel across them over DCN, FSDP inside each. The compiled program is one slice's;
     # what crosses slices it hands to the megascale runtime as sends.
     run = aot_run(aot_target("v5p:2x2x2", slices=2), "tpu-v5e-2x256", ("batch_size=16",))
-    mesh = run.plan.mesh
+    mesh = run.shardings.mesh
     report = communication_report(run.train_step, mesh)
     per_slice = mesh.size // 2
     assert report.per_device.min() > 0 and np.allclose(report.per_device[:per_slice], report.per_device[per_slice:])
@@ -141,14 +141,14 @@ def test_a_multi_slice_step_counts_every_slice_and_what_crosses_them():
     assert {(r.axes, r.kind) for r in dcn} == {(("data",), "all-reduce")}
     assert all("data" not in r.axes for r in report.rows if r not in dcn)
     # Every byte of a device's f32 gradient shard crosses slices at least once.
-    assert sum(r.mean for r in dcn) >= run.plan.param_bytes() / per_slice
+    assert sum(r.mean for r in dcn) >= run.shardings.param_bytes() / per_slice
 
 
 def test_gpu_fsdp_gathers_weights_and_reduce_scatters_gradients():
     run = gpu_run()
     layers = run.cfg.model.n_layers
-    report = communication_report(run.train_step, run.plan.mesh)
-    assert [d.id for d in program_devices(run.train_step)] == [d.id for d in run.plan.mesh.devices.flat]
+    report = communication_report(run.train_step, run.shardings.mesh)
+    assert [d.id for d in program_devices(run.train_step)] == [d.id for d in run.shardings.mesh.devices.flat]
     ring = (FSDP - 1) / FSDP
     # The GPU compiler gathers gpt-tiny's f32 weights as they are, and reduce-scatters the gradients.
     weights = 2 * layers * layer_bytes(run, 4) + head_bytes(run, 4)
@@ -162,7 +162,7 @@ def test_gpt_small_fsdp_step_on_tpu_sends_what_its_weights_say():
     run = tpu_run(overrides=(), model="gpt-small")
     layers = run.cfg.model.n_layers
     assert loop_trip_counts(run) == [layers, layers]
-    report = communication_report(run.train_step, run.plan.mesh)
+    report = communication_report(run.train_step, run.shardings.mesh)
     ring = (FSDP - 1) / FSDP
     # bf16 weights gathered per layer, forward and backward; bf16 gradients all-reduced per layer. What is left
     # (token ids, the norms' f32 gradients, the loss) is under 0.1%.
@@ -177,12 +177,12 @@ def test_gpt_1b_on_a_v5p_128_gathers_through_windowed_einsums():
     # The loss over whole logits: the chunked one adds a loop of its own (32 chunks) and gathers the head once.
     overrides = ("batch_size=256", "seq_len=2048", "chunked_loss=false")
     run = aot_run(aot_target("v5p:4x4x4"), "tpu-v5p-128", overrides, "gpt-1b")  # fsdp=16, tensor=4
-    layers, fsdp = run.cfg.model.n_layers, run.plan.mesh.shape["fsdp"]
+    layers, fsdp = run.cfg.model.n_layers, run.shardings.mesh.shape["fsdp"]
     found = collectives(run.train_step.as_text())
     windowed = [c for c in found if c.via == "windowed einsum"]
     assert {c.kind for c in windowed} == {"all-gather", "reduce-scatter"}
     assert sorted(set(loop_trip_counts(run))) == [fsdp // 4, layers]  # windowed loops: two steps each way per trip
-    report = communication_report(run.train_step, run.plan.mesh)
+    report = communication_report(run.train_step, run.shardings.mesh)
     # Each device gathers its tensor quarter of every block weight per layer, forward and backward, in bf16, and
     # the head's: a ring sends (N-1)/N of that; a windowed einsum sends N+1 shards for the ring's N-1.
     weights = 2 * layers * layer_bytes(run, 2, 4) + head_bytes(run, 2, 4)

@@ -31,7 +31,7 @@ LAYERS = {
     "jaxtrain.parallel": 2,
     "jaxtrain.ops": 2,
     "jaxtrain.run_config": 3,
-    "jaxtrain.placement": 3,  # a model on a mesh: spec, rules, split model, plan; every product places through it
+    "jaxtrain.placement": 3,  # a model on a mesh: spec, rules, split model, shardings; every product places through it
     "jaxtrain.training": 4,
     "jaxtrain.planner": 5,
     "jaxtrain.inference": 5,

@@ -117,7 +117,7 @@ def test_targets_across_documents_and_padding_do_not_count():
 
 def test_packed_documents_are_refused_under_pipeline_parallelism():
     run = cached_run("pipeline=2,data=2,tensor=2", ("n_layers=4", "microbatches=2"), model="llama-tiny")
-    params = run.plan.init_state(run.optimizer, 0)["params"]
+    params = run.shardings.init_state(run.optimizer, 0)["params"]
     batch = dict(run.batch("train", 0))
     batch["segment_ids"] = jnp.ones_like(batch["tokens"])
     with pytest.raises(PipelineError, match="segment_ids"):
@@ -154,7 +154,7 @@ def test_key_value_heads_that_do_not_split_are_replicated_with_a_warning(caplog)
     with caplog.at_level(logging.WARNING, logger="jaxtrain.sharding.rules"):
         run = make_run("tensor=4", ["n_kv_heads=1"], model="llama-tiny", devices=4)
     assert "1 kv_heads do not split over mesh axes ('tensor',)" in caplog.text
-    specs = run.plan.param_specs["blocks"]
+    specs = run.shardings.param_specs["blocks"]
     assert not any(specs["w_k"]) and not any(specs["w_v"])  # k and v whole on every device (fsdp=1 here)
     assert specs["w_q"] == jax.sharding.PartitionSpec(None, None, "tensor", None)  # query heads still split
 

@@ -111,7 +111,7 @@ def test_training_loss_is_the_next_token_loss_of_the_batch():
     """The train step's loss at step 0 is the loss by hand of the model's initial params on batch 0."""
     run = cached_run("single")
     with nnx.use_eager_sharding(False):
-        model = nnx.merge(run.plan.model.graphdef, run.plan.model.init_params(run.cfg.train.seed))
+        model = nnx.merge(run.shardings.model.graphdef, run.shardings.model.init_params(run.cfg.train.seed))
     tokens = np.asarray(run.batch("train", 0)["tokens"])  # (B, T + 1)
     logits = np.asarray(model(jnp.asarray(tokens[:, :-1])))
     assert reference_curve()["loss"][0] == pytest.approx(cross_entropy(logits, tokens[:, 1:]), rel=1e-6)

@@ -91,8 +91,8 @@ def test_tokens_reach_their_experts_by_all_to_all(mesh):
     device's tokens sorted by expert, (E, G / devices, C, D); over that axis nothing else but all-reduces (of the
     gradients and routing statistics): no gathers or permutes of tokens."""
     run = run_on(mesh)
-    cfg, mesh_shape = run.cfg, run.plan.mesh.shape
-    rows = {(r.axes, r.kind): r for r in communication_report(run.train_step, run.plan.mesh).rows}
+    cfg, mesh_shape = run.cfg, run.shardings.mesh.shape
+    rows = {(r.axes, r.kind): r for r in communication_report(run.train_step, run.shardings.mesh).rows}
     to_all = rows[(("expert",), "all-to-all")]
     assert to_all.executions == 4 * cfg.model.n_layers
     sequences = cfg.data.batch_size // (mesh_shape["data"] * mesh_shape["expert"])
@@ -104,7 +104,7 @@ def test_tokens_reach_their_experts_by_all_to_all(mesh):
 
 def test_losses_report_balance_and_no_drops():
     run = run_on("single")
-    state = run.plan.init_state(run.optimizer, 0)
+    state = run.shardings.init_state(run.optimizer, 0)
     _, metrics = run.train_step(state, run.batch("train", 0))
     assert float(metrics["dropped"]) == 0.0
     assert 1.0 <= float(metrics["expert_load"]) < run.cfg.model.n_experts

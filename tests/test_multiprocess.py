@@ -42,7 +42,7 @@ def one_process(steps: int, directory: Path | None = None) -> dict[int, float]:
     overrides = [f"mesh={MESH}", f"steps={steps}", "batch_size=8", "seq_len=32", "log_every=1", "eval_every=1000"]
     overrides += ["warmup_steps=1", "learning_rate=0.01", "progress=false"]
     if directory:
-        overrides += [f"checkpoint_dir={directory}", "checkpoint_every=4"]
+        overrides += [f"checkpoint.dir={directory}", "checkpoint.every=4"]
     summary = train(apply_overrides(default_config("gpt-tiny"), overrides), log=lambda *_: None)
     return {r["step"]: r["loss"] for r in summary["history"]}
 

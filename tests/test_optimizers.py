@@ -43,12 +43,12 @@ def overrides(name: str) -> tuple[str, ...]:
 
 def train(run, steps: int) -> tuple[np.ndarray, list[np.ndarray]]:
     """The losses of `steps` steps of `run` from its initialisation, and the params after them (model order)."""
-    state = run.plan.init_state(run.optimizer, run.cfg.train.seed)
+    state = run.shardings.init_state(run.optimizer, run.cfg.train.seed)
     losses = []
     for step in range(steps):
         state, metrics = run.train_step(state, run.batch("train", step))
         losses.append(float(metrics["loss"]))
-    params = jax.device_get(run.plan.params_in_model_order(state["params"]))
+    params = jax.device_get(run.shardings.params_in_model_order(state["params"]))
     return np.array(losses), [np.asarray(p) for p in jax.tree.leaves(params)]
 
 
@@ -118,7 +118,7 @@ def opt_state_shardings(run) -> dict:
     """The compiled train step's shardings of the optimizer state, by the state's tree path."""
     (state, _), _ = run.train_step.input_shardings
     flat = jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]
-    shapes = jax.tree.leaves(run.plan.abstract_state["opt_state"])
+    shapes = jax.tree.leaves(run.shardings.abstract_state["opt_state"])
     return {jax.tree_util.keystr(path): (shape.shape, s.spec) for (path, s), shape in zip(flat, shapes)}
 
 
@@ -133,7 +133,7 @@ def test_adafactor_state_keeps_the_axes_of_the_dims_it_keeps():
     # embedding (vocab: tensor, embed: fsdp): the row statistic reduces the longer dim, vocab
     assert state[f"{moments}.v_row['embedding']"] == ((64,), P("fsdp"))
     assert state[f"{moments}.v_col['embedding']"] == ((256,), P("tensor"))
-    w_q = run.plan.abstract_state["params"]["blocks"]["w_q"]  # (layers, embed, heads, kv): too narrow to factor
+    w_q = run.shardings.abstract_state["params"]["blocks"]["w_q"]  # (layers, embed, heads, kv): too narrow to factor
     assert state[f"{moments}.v['blocks']['w_q']"] == (w_q.shape, w_q.sharding.spec)
     assert state[f"{moments}.count"] == ((), P())
 
@@ -145,7 +145,7 @@ def test_moments_are_sharded_like_their_params(name):
     run = cached_run(MESH, overrides(name))
     params = {
         jax.tree_util.keystr(path): p
-        for path, p in jax.tree_util.tree_flatten_with_path(run.plan.abstract_state["params"])[0]
+        for path, p in jax.tree_util.tree_flatten_with_path(run.shardings.abstract_state["params"])[0]
     }
     moments = 0
     for path, (shape, spec) in opt_state_shardings(run).items():
@@ -160,7 +160,7 @@ def test_moments_are_sharded_like_their_params(name):
 
 def muon_and_adamw_params(run) -> tuple[list[str], list[str]]:
     """The params whose state Muon keeps, and those its AdamW keeps, by tree path."""
-    inner = run.plan.abstract_state["opt_state"][1].inner_states
+    inner = run.shardings.abstract_state["opt_state"][1].inner_states
     return tuple(
         sorted(jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(moments)[0])
         for moments in (inner["muon"].inner_state[0].mu, inner["adam"].inner_state[0].mu)
@@ -267,12 +267,12 @@ def test_every_optimizer_name_has_a_builder():
 def test_factored_state_saved_on_one_mesh_restores_on_a_pipeline(tmp_path):
     """Adafactor's factored statistics (and Muon's partitioned state, checked the same way by hand) go through the
     checkpoint in model order: saved on fsdp=4,tensor=2, restored bit for bit under pipeline=2,data=2."""
-    run_keys = [*overrides("adafactor"), "train.steps=4", "checkpoint_every=2", "eval_every=1000", "progress=false"]
-    cfg = apply_overrides(default_config("gpt-tiny"), [*run_keys, f"mesh={MESH}", f"checkpoint_dir={tmp_path}"])
+    run_keys = [*overrides("adafactor"), "train.steps=4", "checkpoint.every=2", "eval_every=1000", "progress=false"]
+    cfg = apply_overrides(default_config("gpt-tiny"), [*run_keys, f"mesh={MESH}", f"checkpoint.dir={tmp_path}"])
     saved = jax.device_get(jaxtrain.train(cfg, log=lambda *_: None)["state"])
     piped = apply_overrides(cfg, ["mesh=pipeline=2,data=2", "microbatches=2"])
     run = build(piped, log=lambda *_: None, devices=jax.devices()[:4])
-    state, meta = restore(tmp_path / "4", run.plan.abstract_model_state())
+    state, meta = restore(tmp_path / "4", run.shardings.abstract_model_state())
     assert meta["step"] == 4
     for got, want in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(saved), strict=True):
         np.testing.assert_array_equal(got, want)

@@ -61,7 +61,7 @@ def test_four_interleaved_stages_compose_with_fsdp(reference):
 
 
 def test_stash_of_inputs_recomputes_the_same_gradients(reference):
-    overrides = [*MODEL, "microbatches=4", "pipeline_stash=inputs"]
+    overrides = [*MODEL, "microbatches=4", "pipeline.stash=inputs"]
     check_matches(make_run("pipeline=2,data=2,tensor=2", overrides), reference)
 
 
@@ -97,7 +97,7 @@ def test_stages_pass_activations_and_never_gather_other_stages_weights():
     run = make_run("pipeline=4", [*MODEL, "microbatches=4"], devices=4)
     found = collectives(run.train_step.as_text())
     assert any(c.kind == "collective-permute" for c in found)
-    stacked = {tuple(p.shape) for p in jax.tree.leaves(run.plan.abstract_state["params"]["blocks"])}
+    stacked = {tuple(p.shape) for p in jax.tree.leaves(run.shardings.abstract_state["params"]["blocks"])}
     gathers = [s for c in found if c.kind == "all-gather" for _, s in c.shapes]
     assert not [s for s in gathers if s in stacked]  # no stage ever holds all layers' weights
 
@@ -108,7 +108,7 @@ def test_uneven_costs_are_balanced_and_still_exact():
     estimated FLOPs gives it fewer layers (padded storage), and the result is still the 1-device one."""
     model = ["n_layers=12", "vocab_size=2048", "batch_size=16", "microbatches=4"]
     balanced = make_run("pipeline=4", model, devices=4)
-    uniform = make_run("pipeline=4", [*model, "stage_balance=uniform"], devices=4)
+    uniform = make_run("pipeline=4", [*model, "pipeline.balance=uniform"], devices=4)
     uniform_costs = uniform.pipeline.layout, balanced.pipeline.costs
     costs = balanced.pipeline.stage_costs()
     assert max(costs) <= 1.25 * np.mean(costs), costs
@@ -134,7 +134,7 @@ def test_fewer_layers_than_stages():
 
 
 def test_microbatches_incompatible_with_interleaved():
-    with pytest.raises(ScheduleError, match="train.microbatches must be a multiple of 2 \\(got 3\\)"):
+    with pytest.raises(ScheduleError, match="pipeline.microbatches must be a multiple of 2 \\(got 3\\)"):
         make_run("pipeline=2", ["n_layers=4", "batch_size=12", *SCHEDULES["interleaved"], "microbatches=3"], devices=2)
 
 
@@ -149,7 +149,7 @@ def test_batch_not_divisible_into_microbatches():
 
 
 def test_unknown_schedule_and_misplaced_virtual_stages():
-    with pytest.raises(ConfigError, match="train.schedule='zigzag' is not one of gpipe, 1f1b, interleaved"):
+    with pytest.raises(ConfigError, match="pipeline.schedule='zigzag' is not one of gpipe, 1f1b, interleaved"):
         make_run("pipeline=2", [*MODEL, "schedule=zigzag"], devices=2)
     with pytest.raises(ScheduleError, match="virtual_stages=2 needs schedule=interleaved"):
         make_run("pipeline=2", [*MODEL, "virtual_stages=2"], devices=2)
@@ -165,7 +165,7 @@ def test_evaluation_matches_single_device():
     model = ["n_layers=3", "microbatches=4"]
 
     def val_loss(run):
-        params = run.plan.init_state(run.optimizer, 0)["params"]
+        params = run.shardings.init_state(run.optimizer, 0)["params"]
         return float(run.compiled_eval(params, run.batch("val", 0))["loss"])
 
     pipelined = make_run("pipeline=2,data=2,tensor=2", model)

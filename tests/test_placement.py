@@ -8,10 +8,10 @@ import jax
 import optax
 import pytest
 
-from jaxtrain.inference.generate import generation_plan
-from jaxtrain.interop.importing import params_plan
+from jaxtrain.inference.generate import generation_shardings
+from jaxtrain.interop.importing import params_shardings
 from jaxtrain.placement.place import place_model
-from jaxtrain.planner.estimate import _abstract_plan
+from jaxtrain.planner.estimate import _abstract_shardings
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.sharding.mesh import parse_layout
 from jaxtrain.training.setup import build
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLACEMENT = ROOT / "jaxtrain" / "placement"
 # What only placement does: split a model into its parts, build the default rules and apply a layout's overrides to
 # them, and turn the parts into a plan. Anyone else doing one of these has placed a model by hand.
-PLACING_CALLS = {"split_model", "make_plan", "default"}
+PLACING_CALLS = {"split_model", "make_shardings", "default"}
 
 
 def _placing_calls(path: Path, root: Path = ROOT) -> list[str]:
@@ -50,14 +50,15 @@ def test_only_placement_places_models():
 def test_the_check_sees_a_model_placed_by_hand(tmp_path):
     by_hand = tmp_path / "by_hand.py"
     by_hand.write_text(
-        "rules = ShardingRules.default().with_overrides({})\nparts = split_model(build)\nplan = make_plan(m, r, p, o)\n"
+        "rules = ShardingRules.default().with_overrides({})\nparts = split_model(build)\n"
+        "shardings = make_shardings(m, r, p, o)\n"
     )
     found = _placing_calls(by_hand, tmp_path)
-    assert sorted(line.rsplit(" ", 1)[1] for line in found) == ["default", "make_plan", "split_model"]
+    assert sorted(line.rsplit(" ", 1)[1] for line in found) == ["default", "make_shardings", "split_model"]
 
 
-def _param_specs(plan) -> list:
-    return jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, plan.abstract_state["params"]))
+def _param_specs(shardings) -> list:
+    return jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, shardings.abstract_state["params"]))
 
 
 @pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"])
@@ -65,10 +66,12 @@ def test_every_product_lays_out_the_model_alike(mesh: str):
     """Training, Hugging Face import/export, generation and the planner (on an abstract mesh) give each parameter
     the same PartitionSpec, rule overrides included."""
     cfg = apply_overrides(default_config("llama-tiny"), [f"mesh={mesh}", "rules.params.embed=fsdp,data"])
-    training = build(cfg, log=lambda _: None, devices=jax.devices()[:8]).plan
-    importing = params_plan(cfg, mesh, jax.devices()[:8])
-    generating = generation_plan(place_model(cfg.model_name, cfg.model, mesh, cfg.rules, devices=jax.devices()[:8]))
-    planning = _abstract_plan(cfg, parse_layout(mesh), 8)
+    training = build(cfg, log=lambda _: None, devices=jax.devices()[:8]).shardings
+    importing = params_shardings(cfg, mesh, jax.devices()[:8])
+    generating = generation_shardings(
+        place_model(cfg.model_name, cfg.model, mesh, cfg.rules, devices=jax.devices()[:8])
+    )
+    planning = _abstract_shardings(cfg, parse_layout(mesh), 8)
     expected = _param_specs(training)
     assert any(spec != jax.sharding.PartitionSpec() for spec in expected)
     for other in (importing, generating, planning):
@@ -80,8 +83,8 @@ def test_every_product_lays_out_the_model_alike(mesh: str):
 def test_placed_plan_keeps_what_it_is_given():
     placed = place_model("gpt-tiny", default_config("gpt-tiny").model, "data=-1", devices=jax.devices()[:2])
     assert placed.spec.task == "lm" and dict(placed.mesh.shape)["data"] == 2
-    params_only = placed.plan()
-    with_adam = placed.plan(optax.adam(1e-3))
+    params_only = placed.shardings()
+    with_adam = placed.shardings(optax.adam(1e-3))
     assert jax.tree.leaves(params_only.abstract_state["opt_state"]) == []
     assert len(jax.tree.leaves(with_adam.abstract_state["opt_state"])) > len(
         jax.tree.leaves(placed.model.abstract_params)

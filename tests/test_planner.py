@@ -169,11 +169,11 @@ PIPELINE = [*TINY, "mesh=cpu8-pipeline", "data.source=synthetic"]  # pipeline=2,
 @pytest.mark.parametrize(
     "schedule",
     [
-        pytest.param(["train.schedule=gpipe"], id="gpipe", marks=pytest.mark.slow),
-        pytest.param(["train.schedule=1f1b"], id="1f1b"),
-        pytest.param(["train.schedule=1f1b", "train.pipeline_stash=inputs"], id="1f1b-inputs", marks=pytest.mark.slow),
+        pytest.param(["pipeline.schedule=gpipe"], id="gpipe", marks=pytest.mark.slow),
+        pytest.param(["pipeline.schedule=1f1b"], id="1f1b"),
+        pytest.param(["pipeline.schedule=1f1b", "pipeline.stash=inputs"], id="1f1b-inputs", marks=pytest.mark.slow),
         pytest.param(
-            ["train.schedule=interleaved", "train.virtual_stages=2", "n_layers=4"],
+            ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "n_layers=4"],
             id="interleaved",
             marks=pytest.mark.slow,
         ),

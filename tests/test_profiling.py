@@ -33,21 +33,21 @@ def test_a_profile_holds_the_chosen_steps_and_their_device_work(tmp_path):
 
 @pytest.mark.parametrize("text", ["3:3", "0:2", "5", "a:b", "4:2"])
 def test_bad_profile_steps_are_refused_by_name(text):
-    with pytest.raises(ConfigError, match=f"train.profile_steps='{text}'.*START:STOP"):
+    with pytest.raises(ConfigError, match=f"tracking.profile_steps='{text}'.*START:STOP"):
         parse_profile_steps(text)
 
 
 def test_profile_steps_without_a_directory_are_refused_before_compiling():
     cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, "profile_steps=1:2", "progress=false"])
-    with pytest.raises(ConfigError, match="needs train.profile_dir"):
+    with pytest.raises(ConfigError, match="needs tracking.profile_dir"):
         train(cfg, log=lambda *_: None)
 
 
 def test_the_command_line_sets_the_profile():
     args = _train_parser().parse_args(["--model", "gpt-tiny", "--profile-steps", "10:13", "--profile-dir", "p"])
     cfg = _run_config(args)
-    assert (cfg.train.profile_steps, cfg.train.profile_dir) == ("10:13", "p")
-    assert parse_profile_steps(cfg.train.profile_steps) == range(10, 13)
+    assert (cfg.tracking.profile_steps, cfg.tracking.profile_dir) == ("10:13", "p")
+    assert parse_profile_steps(cfg.tracking.profile_steps) == range(10, 13)
 
 
 def test_out_of_memory_saves_a_device_memory_profile_and_names_it(tmp_path):

@@ -61,7 +61,7 @@ def test_tables_are_never_gathered(mesh):
     """Every array any collective moves is smaller than one device's share of the tables (1/8 of them): neither
     the tables nor their gradients are ever gathered or reduced, only ids and looked-up rows move."""
     run = run_on(mesh)
-    shard = run.plan.abstract_state["params"]["tables"].size // run.plan.mesh.size
+    shard = run.shardings.abstract_state["params"]["tables"].size // run.shardings.mesh.size
     moved = [(c.kind, dims) for c in collectives(run.train_step.as_text()) for _, dims in c.shapes]
     assert max(np.prod(dims) for _, dims in moved) < shard, moved
 
@@ -73,7 +73,7 @@ def test_table_memory_scales_as_one_over_the_model_axis():
     for n in (1, 2, 4, 8):
         run = make_run(f"tensor={n}", ["batch_size=32"], model="recsys-tables", devices=n)
         memory[n] = run.train_step.memory_analysis()
-    tables = total_bytes(run.plan.abstract_state["params"]["tables"])
+    tables = total_bytes(run.shardings.abstract_state["params"]["tables"])
     args = {n: m.argument_size_in_bytes for n, m in memory.items()}
     split = (args[1] - args[8]) * 8 / 7  # T, from args(N) = fixed + T / N at N = 1 and 8
     assert split == pytest.approx(3 * tables, rel=0.01)

@@ -38,7 +38,7 @@ def hybrid():
 def initial_params(single):
     """The 1-device run's initial params, in model order. The sharded runs start from them: compiling the random
     initialisation costs seconds per mesh on CPU, and that it gives every mesh the same params is tested for GPT."""
-    return jax.device_get(single.plan.init_state(single.optimizer, single.cfg.train.seed)["params"])
+    return jax.device_get(single.shardings.init_state(single.optimizer, single.cfg.train.seed)["params"])
 
 
 @pytest.mark.parametrize("mesh", [HYBRID, "data=2,fsdp=2,tensor=2"])
@@ -59,14 +59,14 @@ def reduced_over(run, kind):
     found = {}
     for c in collectives(run.train_step.as_text()):
         if c.kind == kind:
-            axes = tuple(sorted(set().union(*(axes_of_group(run.plan.mesh, g) for g in c.groups))))
+            axes = tuple(sorted(set().union(*(axes_of_group(run.shardings.mesh, g) for g in c.groups))))
             for _, shape in c.shapes:
                 found.setdefault(shape, set()).add(axes)
     return found
 
 
 def test_convolutions_are_replicated_and_their_gradients_summed_over_every_device(hybrid):
-    kernels = conv_kernels(hybrid.plan.abstract_state["params"])
+    kernels = conv_kernels(hybrid.shardings.abstract_state["params"])
     assert len(kernels) == 9  # stem, 2 per block, 2 projection shortcuts
     assert all(all(axis is None for axis in k.sharding.spec) for k in kernels.values())
     # The convolutions' batch is split over data *and* tensor, so each kernel's gradient is summed over both.
@@ -76,7 +76,7 @@ def test_convolutions_are_replicated_and_their_gradients_summed_over_every_devic
 
 
 def test_head_is_split_over_tensor(hybrid):
-    head = hybrid.plan.abstract_state["params"]["head_kernel"]  # (128, 10): (pooled, classes)
+    head = hybrid.shardings.abstract_state["params"]["head_kernel"]  # (128, 10): (pooled, classes)
     assert tuple(head.sharding.spec) == ("tensor", None)
     compiled_head = hybrid.train_step.input_shardings[0][0]["params"]["head_kernel"]
     assert compiled_head.shard_shape(head.shape) == (64, 10)
@@ -84,7 +84,7 @@ def test_head_is_split_over_tensor(hybrid):
     assert "f32[64,10]" in entry and "f32[128,10]" not in entry  # each device is handed its half only
     # Its gradient is summed over data only, each tensor half apart (XLA reduces it transposed).
     assert reduced_over(hybrid, "all-reduce")[(10, 64)] == {("data",)}
-    row = next(line for line in hybrid.plan.table().splitlines() if line.startswith("head_kernel"))
+    row = next(line for line in hybrid.shardings.table().splitlines() if line.startswith("head_kernel"))
     assert row.split()[3:7] == ["pooled", "classes", "tensor", "-"]
 
 

@@ -12,7 +12,17 @@ import pytest
 from test_checkpoint import ROOT, config, digest, run_train
 
 from jaxtrain.errors import UserInputError
-from jaxtrain.run_config import ConfigError, TrainConfig, apply_overrides, default_config
+from jaxtrain.run_config import (
+    AllReduceConfig,
+    CheckpointConfig,
+    ConfigError,
+    PipelineConfig,
+    TrackingConfig,
+    TrainConfig,
+    UpdatesConfig,
+    apply_overrides,
+    default_config,
+)
 from jaxtrain.training import run_identity
 from jaxtrain.training.checkpoint import newest_meta
 from jaxtrain.training.loop import train
@@ -29,21 +39,19 @@ def saved(tmp_path_factory):
 
 
 def test_every_train_key_is_classified():
-    """Each train key is either free or defines the trajectory, by a decision written down here: a new key makes
-    this test fail until it is classified."""
-    trajectory = {f"train.{f.name}" for f in dataclasses.fields(TrainConfig)} - run_identity.FREE_KEYS
-    assert trajectory == {
-        f"train.{name}"
-        for name in (
-            "steps",
-            "seed",
-            "sync",
-            "sync_every",
-            "staleness",
-            "outer_lr",
-            "outer_momentum",
-            "grad_compression",
-        )
+    """Each key of the sections the training loop and its parts take is either free or defines the trajectory, by a
+    decision written down here: a new key makes this test fail until it is classified."""
+    parts = (TrainConfig, AllReduceConfig, UpdatesConfig, PipelineConfig, CheckpointConfig, TrackingConfig)
+    keys = {cls.key(f.name) for cls in parts for f in dataclasses.fields(cls)}
+    assert keys - run_identity.FREE_KEYS == {
+        "train.steps",
+        "train.seed",
+        "updates.policy",
+        "updates.average_every",
+        "updates.staleness",
+        "updates.outer_lr",
+        "updates.outer_momentum",
+        "allreduce.compression",
     }
     every_key = set(run_identity._flat(run_identity.config_json(default_config("gpt-tiny"))))
     assert run_identity.FREE_KEYS <= every_key
@@ -113,8 +121,8 @@ def test_an_allowed_change_resumes_and_is_recorded_in_the_history(saved, tmp_pat
     for step in ("4", "6"):
         shutil.rmtree(directory / step)
     logs = []
-    run_train(MESH, directory, extra=["seed=1", "allow_config_change=seed"], log=logs.append)
-    assert "resuming at step 2 with changes train.allow_config_change allows: train.seed 0 -> 1" in "\n".join(logs)
+    run_train(MESH, directory, extra=["seed=1", "checkpoint.allow_change=seed"], log=logs.append)
+    assert "resuming at step 2 with changes checkpoint.allow_change allows: train.seed 0 -> 1" in "\n".join(logs)
     entry = {"step": 2, "changed": {"train.seed": {"from": 0, "to": 1}}}
     assert newest_meta(directory)[1]["history"] == [entry]
     shutil.rmtree(directory / "6")
@@ -126,19 +134,19 @@ def test_an_allowed_change_resumes_and_is_recorded_in_the_history(saved, tmp_pat
 def test_an_allowed_change_of_shapes_still_cannot_resume(saved):
     """The config may allow d_model to change, but the arrays cannot: the run stops naming the first one."""
     with pytest.raises(run_identity.RunIdentityError, match="a run cannot change its arrays' shapes") as refused:
-        run_train(MESH, saved / "ckpt", extra=["d_model=32", "allow_config_change=d_model"])
+        run_train(MESH, saved / "ckpt", extra=["d_model=32", "checkpoint.allow_change=d_model"])
     assert "params/blocks/attn_norm is (2, 64) there, (2, 32) here" in str(refused.value)
 
 
 def test_unknown_keys_in_allow_config_change_are_errors(saved):
     with pytest.raises(ConfigError, match="unknown config key 'learning_rat'. Did you mean: .*learning_rate"):
-        train(config(MESH, saved / "ckpt", ["allow_config_change=seed,learning_rat"]), log=lambda *_: None)
+        train(config(MESH, saved / "ckpt", ["checkpoint.allow_change=seed,learning_rat"]), log=lambda *_: None)
 
 
 def test_free_keys_are_not_compared(saved):
     cfg = apply_overrides(
         config(MESH, saved / "ckpt"),
-        ["mesh=fsdp=4", "log_every=3", "eval_every=2", "checkpoint_every=5", "progress=true", "rules.embed=fsdp"],
+        ["mesh=fsdp=4", "log_every=3", "eval_every=2", "checkpoint.every=5", "progress=true", "rules.embed=fsdp"],
     )
     stored = newest_meta(saved / "ckpt")[1]["config"]
     assert run_identity.differences(stored, cfg) == {}

@@ -164,7 +164,7 @@ def test_preflight_is_concise_by_default(trained):
 def test_flags_reach_the_config():
     args = _train_parser().parse_args(["--verbose", "--tensorboard-dir", "runs/tb", "--model", "gpt-tiny"])
     cfg = _run_config(args)
-    assert cfg.train.verbose is True and cfg.train.tensorboard_dir == "runs/tb"
+    assert cfg.train.verbose is True and cfg.tracking.tensorboard_dir == "runs/tb"
 
 
 def test_missing_tensorboardx_is_a_clear_error_before_compiling(monkeypatch, tmp_path):

@@ -101,13 +101,15 @@ def test_gradient_accumulation_equals_one_batch(mesh):
     ],
 )
 def test_fused_data_parallel_sync_equals_xla_placement(overrides):
-    fused = curve(make_run("data=8", ["grad_sync=fused", *overrides]))
+    fused = curve(make_run("data=8", ["allreduce.algorithm=fused", *overrides]))
     assert_curves_close(fused, curve(make_run("data=8", overrides)))
 
 
 def test_fused_sync_refuses_sharded_parameters():
-    with pytest.raises(ValueError, match="grad_sync=fused averages gradients over data-parallel .*sharded over fsdp"):
-        make_run("fsdp=8", ["grad_sync=fused"])
+    with pytest.raises(
+        ValueError, match="allreduce.algorithm=fused averages gradients over data-parallel .*sharded over fsdp"
+    ):
+        make_run("fsdp=8", ["allreduce.algorithm=fused"])
 
 
 @pytest.mark.parametrize("mesh", ["data=8", "data=2,tensor=4"])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from helpers import gradients, make_run
 
-from jaxtrain.placement.model import PlanError
+from jaxtrain.placement.model import PlacementError
 from jaxtrain.sharding.rules import ShardingRuleError
 
 
@@ -13,18 +13,18 @@ from jaxtrain.sharding.rules import ShardingRuleError
     "overrides,path,spec,rule",
     [
         (
-            ["sync=local_sgd", "rules.params.embed=replica"],
+            ["updates.policy=local_sgd", "rules.params.embed=replica"],
             "blocks/w_down",
             "P(None, None, 'replica')",
             "embed=replica",
         ),
-        (["sync=diloco", "rules.params.vocab=replica"], "embedding", "P('replica', None)", "vocab=replica"),
+        (["updates.policy=diloco", "rules.params.vocab=replica"], "embedding", "P('replica', None)", "vocab=replica"),
     ],
 )
 def test_jax_refusing_a_policy_state_sharding_names_the_parameter(overrides, path, spec, rule):
     # local_sgd/diloco keep one copy of every parameter per index of the `replica` axis, stacked along a new leading
     # dim sharded over `replica`; a weight rule using `replica` too makes JAX refuse the spec.
-    with pytest.raises(PlanError) as caught:
+    with pytest.raises(PlacementError) as caught:
         make_run("replica=2,data=4", overrides)
     message = str(caught.value)
     assert f"parameter '{path}'" in message and f"spec {spec}" in message and f"rules.params.{rule}" in message
@@ -57,7 +57,7 @@ def test_activation_rule_mistakes_are_ours_at_trace_time():
 def test_ring_over_batch_axes_listed_out_of_mesh_order():
     # The batch rule lists fsdp before data; ppermute over several axes needs mesh order (JAX raised before).
     batch = ["rules.params.embed=", "rules.activations.batch=fsdp,data", "data.source=synthetic"]
-    loss, grads = gradients(make_run("data=2,fsdp=4", [*batch, "grad_sync=ring"], model="mlp"))
+    loss, grads = gradients(make_run("data=2,fsdp=4", [*batch, "allreduce.algorithm=ring"], model="mlp"))
     ref_loss, ref_grads = gradients(make_run("data=2,fsdp=4", batch, model="mlp"))
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for g, r in zip(grads, ref_grads):

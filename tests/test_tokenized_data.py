@@ -25,8 +25,9 @@ from jaxtrain.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab
 from jaxtrain.data.tokens import TokenData
 from jaxtrain.errors import UserInputError
 from jaxtrain.inference.generate import tokenizer_for
-from jaxtrain.run_config import apply_overrides, default_config
+from jaxtrain.run_config import apply_overrides, default_config, load_config
 from jaxtrain.training.loop import train
+from jaxtrain.training.setup import with_data_vocab
 
 VOCAB = 600  # the model's vocab_size: 640
 
@@ -129,23 +130,32 @@ def test_an_interrupted_tokenization_finishes_when_rerun_with_workers(corpus, tm
 
 
 def test_the_model_vocabulary_comes_from_the_tokenizer(corpus):
-    cfg = apply_overrides(default_config("llama-tiny"), [f"data.source=tokens:{corpus['dir']}"])
-    assert cfg.model.vocab_size == 640
-    assert (
-        apply_overrides(
-            default_config("gpt-small"), ["data.source=tokens", f"data.path={corpus['dir']}"]
-        ).model.vocab_size
-        == 640
-    )
+    resolved = apply_overrides(default_config("llama-tiny"), [f"data.source=tokens:{corpus['dir']}"])
+    assert resolved.model.vocab_size == default_config("llama-tiny").model.vocab_size  # resolving reads no data
+    cfg = with_data_vocab(resolved)
+    assert cfg.model.vocab_size == 640 and with_data_vocab(cfg) == cfg
+    gpt = apply_overrides(default_config("gpt-small"), ["data.source=tokens", f"data.path={corpus['dir']}"])
+    assert with_data_vocab(gpt).model.vocab_size == 640
     kept = apply_overrides(cfg, ["vocab_size=1024", "steps=3"])
-    assert kept.model.vocab_size == 1024 and apply_overrides(kept, ["seq_len=64"]).model.vocab_size == 1024
+    assert with_data_vocab(kept).model.vocab_size == 1024
+    assert with_data_vocab(apply_overrides(kept, ["seq_len=64"])).model.vocab_size == 1024
     with pytest.raises(DataError, match=r"has 600 tokens, but the model's vocab_size is 512: .* padded to 640"):
         make_dataset(f"tokens:{corpus['dir']}", "lm", seq_len=16, seed=0, vocab_size=512)
     assert tokenizer_for(cfg).digest == corpus["tokenizer"].digest  # jaxtrain generate encodes prompts with it
 
 
+def test_resolving_a_config_reads_no_data(tmp_path):
+    """load_config reads only the file it is given: tokens:DIR of a directory that does not exist resolves; the
+    vocabulary is set where the data is opened (with_data_vocab, which training and the planner call)."""
+    missing = tmp_path / "not-there"
+    cfg = load_config(model="gpt-tiny", overrides=[f"data.source=tokens:{missing}"])
+    assert cfg.data.source == f"tokens:{missing}" and not missing.exists()
+    with pytest.raises(UserInputError, match="not-there"):
+        with_data_vocab(cfg)
+
+
 TOKENS_RUN = ["steps=6", "batch_size=8", "seq_len=32", "warmup_steps=1", "learning_rate=0.01", "log_every=1"]
-TOKENS_RUN += ["eval_every=1000", "progress=false", "checkpoint_every=2"]
+TOKENS_RUN += ["eval_every=1000", "progress=false", "checkpoint.every=2"]
 
 
 @pytest.mark.parametrize("packing", ["concat", "segments"])
@@ -169,7 +179,7 @@ def test_the_global_batch_is_the_same_on_every_mesh(corpus, packing):
 
 def run_tokens(corpus, mesh, directory, devices, extra=()):
     overrides = [*TOKENS_RUN, f"data.source=tokens:{corpus['dir']}", "data.packing=segments"]
-    cfg = apply_overrides(default_config("llama-tiny"), [*overrides, f"mesh={mesh}", f"checkpoint_dir={directory}"])
+    cfg = apply_overrides(default_config("llama-tiny"), [*overrides, f"mesh={mesh}", f"checkpoint.dir={directory}"])
     summary = train(cfg, log=lambda *_: None, devices=jax.devices()[:devices])
     return {r["step"]: r["loss"] for r in summary["history"]}
 
@@ -195,7 +205,7 @@ def test_packing_cuts_long_documents_and_fills_rows_in_order():
 
 def test_a_documents_loss_does_not_see_the_other_documents_of_its_row(corpus):
     """Packed with segment ids, document A's token losses are the same whichever document shares its row."""
-    parts = make_run("data=1", [f"data.source=tokens:{corpus['dir']}"], "llama-tiny", devices=1).plan.model
+    parts = make_run("data=1", [f"data.source=tokens:{corpus['dir']}"], "llama-tiny", devices=1).shardings.model
     docs = shard_documents(corpus["dir"], "train")
     a, b, c = docs[0][:12], docs[1][:21], docs[2][:21]
     rows = np.zeros((2, 33), np.int32)

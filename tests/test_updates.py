@@ -18,7 +18,7 @@ SGD = ["optimizer.name=sgd", "clip_norm=0", "learning_rate=0.1"]  # linear in th
 
 
 def train(run, steps=5):
-    state = run.plan.init_state(run.optimizer, 0)
+    state = run.shardings.init_state(run.optimizer, 0)
     for step in range(steps):
         state, _ = run.train_step(state, run.batch("train", step))
     return state
@@ -54,12 +54,12 @@ def synchronous_sgd():
     [pytest.param("replica=8", marks=pytest.mark.slow), pytest.param("replica=2,data=4", marks=pytest.mark.slow)],
 )
 def test_local_sgd_averaging_every_step_is_synchronous_sgd(mesh, synchronous_sgd):
-    state = train(make_run(mesh, [*SGD, "sync=local_sgd", "sync_every=1"]))
+    state = train(make_run(mesh, [*SGD, "updates.policy=local_sgd", "updates.average_every=1"]))
     assert relative_error(params(state), synchronous_sgd) < 1e-5
 
 
 def test_replicas_drift_between_averages_and_meet_at_each():
-    run = make_run("replica=8", ["sync=local_sgd", "sync_every=4"])
+    run = make_run("replica=8", ["updates.policy=local_sgd", "updates.average_every=4"])
     state = train(run, steps=2)
     local = jax.device_get(state["local"]["params"]["head"])
     assert not np.allclose(local[0], local[1])  # each replica trained on its own rows
@@ -71,18 +71,21 @@ def test_replicas_drift_between_averages_and_meet_at_each():
 
 def test_local_steps_communicate_across_replicas_only_to_average():
     """replica=2,data=4: the replica axis carries one all-reduce of the params (inside the averaging branch)."""
-    run = make_run("replica=2,data=4", ["sync=local_sgd", "sync_every=4"])
-    report = communication_report(run.train_step, run.plan.mesh)
+    run = make_run("replica=2,data=4", ["updates.policy=local_sgd", "updates.average_every=4"])
+    report = communication_report(run.train_step, run.shardings.mesh)
     across = report.measured(("replica",), ("all-reduce",))
-    assert across == pytest.approx(run.plan.param_bytes(), rel=0.01)  # 2(R-1)/R x params, R = 2
+    assert across == pytest.approx(run.shardings.param_bytes(), rel=0.01)  # 2(R-1)/R x params, R = 2
     assert report.measured(("data",)) > 0  # gradients are still averaged inside each replica, every step
 
 
 @pytest.mark.slow
 def test_diloco_with_a_plain_outer_step_is_local_sgd():
-    fedavg = train(make_run("replica=8", ["sync=local_sgd", "sync_every=2"]), steps=4)
-    plain = train(make_run("replica=8", ["sync=diloco", "sync_every=2", "outer_lr=1", "outer_momentum=0"]), steps=4)
-    nesterov = train(make_run("replica=8", ["sync=diloco", "sync_every=2"]), steps=4)
+    fedavg = train(make_run("replica=8", ["updates.policy=local_sgd", "updates.average_every=2"]), steps=4)
+    plain = train(
+        make_run("replica=8", ["updates.policy=diloco", "updates.average_every=2", "outer_lr=1", "outer_momentum=0"]),
+        steps=4,
+    )
+    nesterov = train(make_run("replica=8", ["updates.policy=diloco", "updates.average_every=2"]), steps=4)
     assert relative_error(params(plain), params(fedavg)) < 1e-6
     assert relative_error(params(nesterov), params(fedavg)) > 1e-3
 
@@ -96,9 +99,9 @@ def test_stale_gradients_apply_the_gradient_of_tau_steps_ago(staleness):
     """Each step's update is -lr x the gradient computed tau steps before, at the params of then (tau = 0: this
     step's, synchronous SGD); the first tau steps update nothing, and the schedule advances only with applied
     updates (the k-th applied update takes the k-th learning rate)."""
-    run = make_run("data=8", [*EXACT_SGD, "sync=stale", f"staleness={staleness}"])
+    run = make_run("data=8", [*EXACT_SGD, "updates.policy=stale", f"staleness={staleness}"])
     schedule = make_schedule(run.cfg.optimizer, run.cfg.train.steps)
-    state = run.plan.init_state(run.optimizer, 0)
+    state = run.shardings.init_state(run.optimizer, 0)
     made = []  # each step's gradient, computed at that step's params
     for step in range(4):
         batch, before = run.batch("train", step), params(state)
@@ -119,12 +122,32 @@ def test_stale_gradients_apply_the_gradient_of_tau_steps_ago(staleness):
 @pytest.mark.parametrize(
     "mesh,overrides,error,message",
     [
-        ("data=8", ["sync=local_sgd"], UpdatePolicyError, "trains replicas apart, one per index of the 'replica'"),
-        ("replica=8", ["sync=local_sgd", "sync_every=0"], ConfigError, "sync_every=0: expected an integer >= 1"),
-        ("replica=8", ["sync=diloco", "grad_sync=ring"], ConfigError, "grad_sync=ring averages every step"),
-        ("data=8", ["sync=async"], ConfigError, "train.sync='async' is not one of synchronous, local_sgd"),
-        ("data=8", ["sync=stale", "staleness=-1"], ConfigError, "staleness=-1: expected an integer >= 0"),
-        ("pipeline=2,data=4", ["sync=stale"], ConfigError, "with a pipeline axis is not supported yet"),
+        (
+            "data=8",
+            ["updates.policy=local_sgd"],
+            UpdatePolicyError,
+            "trains replicas apart, one per index of the 'replica'",
+        ),
+        (
+            "replica=8",
+            ["updates.policy=local_sgd", "updates.average_every=0"],
+            ConfigError,
+            "updates.average_every=0: expected an integer >= 1",
+        ),
+        (
+            "replica=8",
+            ["updates.policy=diloco", "allreduce.algorithm=ring"],
+            ConfigError,
+            "allreduce.algorithm=ring averages every step",
+        ),
+        (
+            "data=8",
+            ["updates.policy=async"],
+            ConfigError,
+            "updates.policy='async' is not one of synchronous, local_sgd",
+        ),
+        ("data=8", ["updates.policy=stale", "staleness=-1"], ConfigError, "staleness=-1: expected an integer >= 0"),
+        ("pipeline=2,data=4", ["updates.policy=stale"], ConfigError, "with a pipeline axis is not supported yet"),
     ],
 )
 def test_impossible_policies_say_why(mesh, overrides, error, message):
@@ -135,7 +158,7 @@ def test_impossible_policies_say_why(mesh, overrides, error, message):
 def test_local_sgd_resumes_from_a_checkpoint_mid_interval(tmp_path):
     """The replicas' own params and optimizer states are checkpointed: resuming at step 4 of H = 3 continues
     exactly (step 6 averages replicas that have drifted since step 3)."""
-    extra = ["sync=local_sgd", "sync_every=3"]
+    extra = ["updates.policy=local_sgd", "updates.average_every=3"]
     whole, _ = run_train("replica=8", tmp_path / "whole", extra=extra)
     shutil.copytree(tmp_path / "whole", tmp_path / "cut")
     shutil.rmtree(tmp_path / "cut" / "6")

@@ -8,7 +8,7 @@ per-device traffic can be uneven (a parameter server's hot spot); the report sho
 einsum's gather or reduce-scatter counts what its permutes send; a send between TPU slices (DCN), its operand, which
 the megascale runtime moves by an algorithm the program does not show.
 
-    >>> report = communication_report(run.train_step, run.plan.mesh)           # doctest: +SKIP
+    >>> report = communication_report(run.train_step, run.shardings.mesh)           # doctest: +SKIP
     >>> print(report.format([Expected("ring all-reduce of f32 gradients", 2 * 7 / 8 * param_bytes)]))  # doctest: +SKIP
 """
 

@@ -1,7 +1,7 @@
 """The asynchronous engine's driver: start the Ray processes, hand out batches, route gradients to the server shards,
 log, evaluate, checkpoint, and replace dead workers. `jaxtrain train --engine ray --workers W --ps-shards S` runs it.
 
->>> cfg = apply_overrides(default_config("gpt-tiny"), ["engine.kind=ray", "workers=4", "ps_shards=2"])  # doctest: +SKIP
+>>> cfg = apply_overrides(default_config("gpt-tiny"), ["kind=ray", "workers=4", "server_shards=2"])  # doctest: +SKIP
 >>> summary = train_async(cfg)                                                              # doctest: +SKIP
 >>> summary["samples_per_sec"], summary["staleness_mean"]                                  # doctest: +SKIP
 
@@ -34,6 +34,7 @@ from jaxtrain.training import run_identity, run_lock
 from jaxtrain.training.checkpoint import Checkpoints
 from jaxtrain.training.metrics import MetricsLog
 from jaxtrain.training.recovery import Progress, check_resume, open_checkpoints, write_run_config
+from jaxtrain.training.setup import with_data_vocab
 
 BATCH_LOG = "batch_log.jsonl"  # in the checkpoint directory: one row per applied gradient (`dispatch.Applied`)
 
@@ -49,25 +50,26 @@ def check_engine(cfg: RunConfig) -> None:
             f"--engine ray with mesh '{cfg.mesh}': a worker's mesh cannot have a pipeline axis yet (server shards "
             "hold params in the model's layer order). Use data, fsdp and tensor axes inside a worker."
         )
-    if cfg.train.sync != "synchronous":
+    if cfg.updates.policy != "synchronous":
         raise ConfigError(
-            f"train.sync={cfg.train.sync} with --engine ray: the engine's own policy (engine.mode, "
-            "engine.max_staleness) decides when gradients meet the params; leave train.sync=synchronous."
+            f"updates.policy={cfg.updates.policy} with --engine ray: the engine's own policy (engine.mode, "
+            "engine.max_staleness) decides when gradients meet the params; leave updates.policy=synchronous."
         )
 
 
 def train_async(
     cfg: RunConfig, log: Callable[[str], None] = print, on_metrics: Callable[[dict], None] | None = None
 ) -> dict[str, Any]:
-    """Train `cfg` with `engine.workers` Ray workers and `engine.ps_shards` server shards until the servers have
+    """Train `cfg` with `engine.workers` Ray workers and `engine.server_shards` server shards until the servers have
     applied `train.steps` updates. Returns the summary: final loss and validation metrics, samples/s, staleness
     statistics, gradients per worker, the batch log, the evaluations (with wall time) and the logged history.
 
-    With `train.checkpoint_dir` it holds the directory's lock, resumes from its newest checkpoint when the config
-    defines the same run, and saves the server state every `checkpoint_every` updates and at the end (Orbax, as
+    With `checkpoint.dir` it holds the directory's lock, resumes from its newest checkpoint when the config
+    defines the same run, and saves the server state every `checkpoint.every` updates and at the end (Orbax, as
     `jaxtrain train`); batches handed out but not applied at a save are handed out again on resume."""
+    cfg = with_data_vocab(cfg)  # as every worker's `build` sets it, before the config is stored or compared
     check_engine(cfg)
-    with run_lock.holding(cfg.train.checkpoint_dir, log), cluster.connected(cfg.engine, log):
+    with run_lock.holding(cfg.checkpoint.dir, log), cluster.connected(cfg.engine, log):
         run_name = check_resume(cfg)
         with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
             job = _Job(cfg, log, checkpoints, run_name)
@@ -86,7 +88,7 @@ class _Job:
         self.slowdowns = engine.slowdowns()
         self.workers = self._start_workers(list(range(engine.workers)))
         leaves, names = ray.get(self.workers[0].initial.remote())
-        self.owned = assign_leaves([leaf.nbytes for leaf in leaves], engine.ps_shards)
+        self.owned = assign_leaves([leaf.nbytes for leaf in leaves], engine.server_shards)
         ray.get([w.set_shards.remote(self.owned) for w in self.workers])
         parts = zip(split(names, self.owned), split(leaves, self.owned))
         self.servers = [cluster.start_server(cfg, names_part, part) for names_part, part in parts]
@@ -128,8 +130,8 @@ class _Job:
         return {"shards": jax.tree.map(spec, states)}
 
     def run(self, on_metrics: Callable[[dict], None] | None) -> dict[str, Any]:
-        t = self.cfg.train
-        sink = MetricsLog(t.metrics_file or None, t.steps, t.progress, on_record=on_metrics, run=self.run_name,
+        t, metrics_file = self.cfg.train, self.cfg.tracking.metrics_file
+        sink = MetricsLog(metrics_file or None, t.steps, t.progress, on_record=on_metrics, run=self.run_name,
                           start=self.progress.step)  # fmt: skip
         self.history: list[dict[str, Any]] = []
         self.evals: list[tuple[int, float, Any]] = []
@@ -256,7 +258,7 @@ class _Job:
 
 
 def _log_path(cfg: RunConfig) -> Path | None:
-    return Path(cfg.train.checkpoint_dir) / BATCH_LOG if cfg.train.checkpoint_dir else None
+    return Path(cfg.checkpoint.dir) / BATCH_LOG if cfg.checkpoint.dir else None
 
 
 def _append_log_rows(cfg: RunConfig, rows: list[Applied]) -> None:

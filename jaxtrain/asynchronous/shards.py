@@ -22,8 +22,8 @@ def assign_leaves(sizes: list[int], shards: int) -> list[list[int]]:
     lowest shard), each shard's indices in tree order. Every shard gets at least one leaf."""
     if shards > len(sizes):
         raise ShardingError(
-            f"engine.ps_shards={shards}, but the model has only {len(sizes)} parameter arrays and a shard holds whole "
-            f"arrays: use at most {len(sizes)} shards."
+            f"engine.server_shards={shards}, but the model has only {len(sizes)} parameter arrays and a shard holds "
+            f"whole arrays: use at most {len(sizes)} shards."
         )
     held, owned = [0] * shards, [[] for _ in range(shards)]
     for leaf in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):

@@ -2,7 +2,7 @@
 computes the gradient of one batch on the params it holds, at its own pace.
 
 It builds the run as `jaxtrain train` would (`jaxtrain.training.setup.build`: mesh, rules, plan, the composed
-gradient with accumulation and gradient sync), and computes with its compiled gradient (`Setup.compiled_grad`), so a
+gradient with accumulation and gradient sync), and computes with its compiled gradient (`Run.compiled_grad`), so a
 worker is the SPMD step without its update. The engine's driver says which batch and whether to pull params first.
 """
 
@@ -38,13 +38,13 @@ class Worker:
         enable_compilation_cache()
         self.index, self.slowdown = index, slowdown
         self.run = build(cfg, log=lambda *_: None)
-        self.treedef = jax.tree.structure(self.run.plan.abstract_state["params"])
+        self.treedef = jax.tree.structure(self.run.shardings.abstract_state["params"])
         self._finish = jax.jit(functools.partial(_norm_and_clip, clip_norm=cfg.optimizer.clip_norm))
         self.params: PyTree = None
         self.owned: list[list[int]] | None = None
         # Compile, read the data and compute one gradient now, not in the first job: a slowed worker's first gradient
         # would otherwise wait out those one-off costs FACTOR - 1 times over, and the engine's clock count them.
-        self._compute(self.run.plan.init_state(self.run.optimizer, cfg.train.seed)["params"], 0)
+        self._compute(self.run.shardings.init_state(self.run.optimizer, cfg.train.seed)["params"], 0)
         self.run.compiled_eval  # noqa: B018 - a cached property: compiles the evaluation step
 
     def pid(self) -> int:
@@ -54,8 +54,8 @@ class Worker:
         """The run's initial params (as `jaxtrain train` initialises them, from `train.seed`) as leaves, and their
         logical dim names."""
         run = self.run
-        params = run.plan.init_state(run.optimizer, run.cfg.train.seed)["params"]
-        names = jax.tree.leaves(run.plan.model.logical_names, is_leaf=is_logical_names)
+        params = run.shardings.init_state(run.optimizer, run.cfg.train.seed)["params"]
+        names = jax.tree.leaves(run.shardings.model.logical_names, is_leaf=is_logical_names)
         return leaves_of.host_leaves(params), names
 
     def set_shards(self, owned: list[list[int]]) -> None:
@@ -91,7 +91,7 @@ class Worker:
     def _place(self, parts: list[list[np.ndarray]]) -> PyTree:
         """Params from the server shards' leaves, placed in this worker's plan's shardings."""
         tree = jax.tree.unflatten(self.treedef, leaves_of.join(parts, self.owned))
-        return jax.device_put(tree, self.run.plan.state_shardings["params"])
+        return jax.device_put(tree, self.run.shardings.state_shardings["params"])
 
 
 def _norm_and_clip(grads: PyTree, clip_norm: float) -> tuple[jax.Array, PyTree]:

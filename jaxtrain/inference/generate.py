@@ -1,6 +1,6 @@
 """Text generation from a trained language model, with a KV cache laid out by the training sharding rules.
 
-A `Generator` holds a model's params on a mesh, placed as training places them (`jaxtrain.placement.plan`), and one
+A `Generator` holds a model's params on a mesh, placed as training places them (`jaxtrain.placement.shardings`), and one
 compiled program per batch shape: the whole right-padded prompt batch is prefilled in one `model.extend` call, then a
 `lax.while_loop` adds one token per step until every row has met `eos_id` or `max_new_tokens` are written. The KV
 cache is sharded by the activation rules through the model's `cache_names()` (batch over the data axes, kv heads
@@ -35,7 +35,7 @@ from jaxtrain.data.tokens import token_sources, tokenizer_of
 from jaxtrain.errors import UserInputError
 from jaxtrain.inference.sampling import Sampling, sample
 from jaxtrain.placement.place import PlacedModel, place_model
-from jaxtrain.placement.plan import Plan
+from jaxtrain.placement.shardings import Shardings
 from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.constraints import activation_sharding
 from jaxtrain.sharding.mesh import MeshLayout, build_mesh, parse_layout
@@ -92,7 +92,7 @@ def tokenizer_for(cfg: RunConfig, carried: Path | None = None) -> ByteTokenizer 
     return ByteTokenizer()
 
 
-def generation_plan(placed: PlacedModel) -> Plan:
+def generation_shardings(placed: PlacedModel) -> Shardings:
     """The params' shardings on the placed model's mesh as training lays them out; generation keeps no optimizer
     state."""
     if placed.mesh.shape["pipeline"] > 1:
@@ -100,21 +100,21 @@ def generation_plan(placed: PlacedModel) -> Plan:
             f"generation runs each token through every layer, without a pipeline: the mesh has pipeline="
             f"{placed.mesh.shape['pipeline']}. Give a --mesh without a pipeline axis (e.g. data=2,tensor=2)."
         )
-    return placed.plan()
+    return placed.shardings()
 
 
 class Generator:
     """A language model's params on a mesh and its decoding program, compiled once per batch shape and reused.
 
     Build one with `Generator.restore(path)` (a checkpoint or export: the model comes from the config it stores),
-    `Generator.from_training(summary)` (what `jaxtrain.train` returns), or from a `Plan` and its params."""
+    `Generator.from_training(summary)` (what `jaxtrain.train` returns), or from a model's `Shardings` and its params."""
 
-    def __init__(self, plan: Plan, params: PyTree, cfg: RunConfig | None = None, carried: Path | None = None):
-        """`params` in the model's layer order (placed here into `plan`'s shardings); `cfg` the run config the
+    def __init__(self, shardings: Shardings, params: PyTree, cfg: RunConfig | None = None, carried: Path | None = None):
+        """`params` in the model's layer order (placed here into `shardings`); `cfg` the run config the
         model trained with, and `carried` the files its checkpoint carries, for its tokenizer."""
-        self.plan, self.cfg, self.carried = plan, cfg, carried
-        self.params = jax.device_put(params, plan.state_shardings["params"])
-        module = nnx.merge(plan.model.graphdef, self.params)
+        self.shardings, self.cfg, self.carried = shardings, cfg, carried
+        self.params = jax.device_put(params, shardings.state_shardings["params"])
+        module = nnx.merge(shardings.model.graphdef, self.params)
         missing = [name for name in DECODER_METHODS if not callable(getattr(module, name, None))]
         if missing:
             raise GenerationError(
@@ -123,12 +123,12 @@ class Generator:
             )
         self.cache_names = module.cache_names()
         self.vocab_size = jax.eval_shape(module.extend, *_probe(module))[0].shape[-1]
-        mesh = plan.mesh
-        self.batch_ways = math.prod(mesh.shape[a] for a in plan.rules.batch_axes())
+        mesh = shardings.mesh
+        self.batch_ways = math.prod(mesh.shape[a] for a in shardings.rules.batch_axes())
         self._program = jax.jit(
             self._decode,
             static_argnames=("max_new_tokens", "cache_len", "return_logits"),
-            out_shardings=plan.replicated,  # every process reads the whole result
+            out_shardings=shardings.replicated,  # every process reads the whole result
         )
 
     @classmethod
@@ -148,9 +148,9 @@ class Generator:
                 f"checkpoint {step_dir} holds model {cfg.model_name}, a {placed.spec.task} model: generation needs "
                 "a language model (task lm, e.g. gpt or llama)."
             )
-        plan = generation_plan(placed)
-        params, _ = restore_params(step_dir, plan.abstract_state["params"])
-        return cls(plan, params, cfg, carried_files(step_dir))
+        shardings = generation_shardings(placed)
+        params, _ = restore_params(step_dir, shardings.abstract_state["params"])
+        return cls(shardings, params, cfg, carried_files(step_dir))
 
     @classmethod
     def from_training(
@@ -159,10 +159,10 @@ class Generator:
         """The model `jaxtrain.train` just trained (its summary's `run` and `state`), on the run's mesh or on `mesh`
         (as `restore` takes it), with the run's sharding rules."""
         run, state = summary["run"], summary["state"]
-        params = run.plan.params_in_model_order(state["params"])
+        params = run.shardings.params_in_model_order(state["params"])
         placed = run.placed if mesh is None else run.placed.on_mesh(_mesh(mesh, devices))
-        plan = generation_plan(placed)
-        return cls(plan, params, run.cfg)
+        shardings = generation_shardings(placed)
+        return cls(shardings, params, run.cfg)
 
     @property
     def tokenizer(self) -> ByteTokenizer | Tokenizer:
@@ -190,7 +190,7 @@ class Generator:
         tokens, lengths, live = self._batch(prompts)
         rows = tokens.shape[0]
         inputs = [tokens, lengths, live, *(np.asarray(x) for x in sampling.per_row(rows))]
-        put = [jax.device_put(x, self.plan.batch_sharding(x.shape)) for x in inputs]
+        put = [jax.device_put(x, self.shardings.batch_sharding(x.shape)) for x in inputs]
         scalars = [np.uint32(seed), np.int32(NO_EOS if eos_id is None else eos_id)]
         cache_len = tokens.shape[1] + max_new_tokens - 1  # the last token is never written to the cache
         out, logits = to_host(
@@ -256,8 +256,8 @@ class Generator:
         return_logits: bool,
     ) -> tuple[jax.Array, jax.Array | None]:
         """(B, max_new_tokens) new tokens (STOPPED after a row's end) and, if asked, the logits they came from."""
-        with activation_sharding(self.plan.mesh, self.plan.rules):
-            model = nnx.merge(self.plan.model.graphdef, params)
+        with activation_sharding(self.shardings.mesh, self.shardings.rules):
+            model = nnx.merge(self.shardings.model.graphdef, params)
             batch, width = tokens.shape
             row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(seed), jnp.arange(batch))
 
@@ -297,13 +297,15 @@ class Generator:
     def cache_shardings(self, batch: int, max_len: int) -> dict[str, NamedSharding]:
         """How the KV cache of `batch` rows and `max_len` slots is laid out: the activation rules applied to the
         model's `cache_names()` (batch over the data axes, kv heads over `tensor`)."""
-        module = nnx.merge(self.plan.model.graphdef, self.params)
+        module = nnx.merge(self.shardings.model.graphdef, self.params)
         shapes = jax.eval_shape(lambda: module.init_cache(batch, max_len))
         return {name: self._cache_sharding(name, x.shape) for name, x in shapes.items()}
 
     def _cache_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
-        mesh = self.plan.mesh
-        spec = logical_to_spec(self.cache_names[name], shape, self.plan.rules.activations, mesh, f"KV cache '{name}'")
+        mesh = self.shardings.mesh
+        spec = logical_to_spec(
+            self.cache_names[name], shape, self.shardings.rules.activations, mesh, f"KV cache '{name}'"
+        )
         return NamedSharding(mesh, spec)
 
     def _constrain(self, cache: PyTree) -> PyTree:

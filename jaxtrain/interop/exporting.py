@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxtrain.errors import UserInputError
 from jaxtrain.interop.architectures import architecture_for, hf_config
-from jaxtrain.interop.importing import PARAM_DTYPES, carry_files, params_plan
+from jaxtrain.interop.importing import PARAM_DTYPES, carry_files, params_shardings
 from jaxtrain.interop.tensor_files import Pending, write_tensors
 from jaxtrain.training.checkpoint import carried_files, find_checkpoint, restore_params, trained_config
 
@@ -55,7 +55,7 @@ def export_hf(
     # Restored in the dtype written: a bfloat16 export of a float32 checkpoint holds half the bytes on the devices.
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(dtype), sharding=x.sharding),
-        params_plan(cfg, mesh, devices).abstract_state["params"],
+        params_shardings(cfg, mesh, devices).abstract_state["params"],
     )
     params, _ = restore_params(step_dir, abstract)
     return write_hf(

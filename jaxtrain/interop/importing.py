@@ -2,7 +2,7 @@
 
     >>> import_hf("Llama-3.2-1B", "runs/llama-1b")                                   # doctest: +SKIP
     >>> source = HFCheckpoint("Llama-3.2-1B")                                         # doctest: +SKIP
-    >>> params = source.read_params(cfg.model, plan.abstract_state["params"])        # doctest: +SKIP
+    >>> params = source.read_params(cfg.model, shardings.abstract_state["params"])   # doctest: +SKIP
 
 Each parameter is built with `jax.make_array_from_callback`: every device's shard is read alone, as a slice of the
 file (`tensor_files`), so a process reads only the rows its devices hold, and host memory holds one slice at a time
@@ -29,7 +29,7 @@ from jaxtrain.errors import UserInputError
 from jaxtrain.interop.architectures import Architecture, Tensor, architecture, model_settings
 from jaxtrain.interop.tensor_files import INDEX_FILE, TensorFileError, TensorFiles
 from jaxtrain.placement.place import place_model
-from jaxtrain.placement.plan import Plan
+from jaxtrain.placement.shardings import Shardings
 from jaxtrain.run_config import RunConfig, config_from_table, config_table
 from jaxtrain.training.checkpoint import CARRIED
 from jaxtrain.training.run_identity import config_json
@@ -134,9 +134,9 @@ def _ignorable(name: str, table: dict[str, Tensor]) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and "head" not in table)
 
 
-def params_plan(cfg: RunConfig, mesh: str, devices: list[jax.Device] | None = None) -> Plan:
+def params_shardings(cfg: RunConfig, mesh: str, devices: list[jax.Device] | None = None) -> Shardings:
     """The params' shardings for decoder `cfg.model` on layout `mesh` (no optimizer state), by its rules."""
-    return place_model(cfg.model_name, cfg.model, mesh, cfg.rules, devices=devices).plan()
+    return place_model(cfg.model_name, cfg.model, mesh, cfg.rules, devices=devices).shardings()
 
 
 def import_hf(
@@ -155,10 +155,10 @@ def import_hf(
     if out_dir.exists():
         raise HFImportError(f"{out_dir} already exists: an import never overwrites. Give a new directory.")
     cfg = source.run_config(dtype)
-    plan = params_plan(cfg, mesh, devices)
+    shardings = params_shardings(cfg, mesh, devices)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(cfg.model.dtype), sharding=x.sharding),
-        plan.abstract_state["params"],
+        shardings.abstract_state["params"],
     )
     _save(source.read_params(cfg.model, abstract), cfg, source, out_dir)
     return out_dir

@@ -1,16 +1,17 @@
 """Explicit gradient synchronisation over the data-parallel axes, written with `shard_map` and `jax.lax.ppermute` so
-that what crosses the network is the algorithm's and nothing else (`train.grad_sync`):
+that what crosses the network is the algorithm's and nothing else (`allreduce.algorithm`):
 
 - `ring`: reduce-scatter then all-gather around a ring of the N replicas, N - 1 neighbour exchanges each, per bucket.
   Every device sends 2(N - 1)/N of the gradient: the bandwidth-optimal all-reduce.
 - `hierarchical`: a ring reduce-scatter inside each group of K devices (the axes other than `replica`: one host or
   slice), a ring all-reduce of each 1/K shard across the R groups (the `replica` axis, the slow link), a ring
   all-gather inside the group. The slow link carries 2(R - 1)/R of a 1/K shard instead of the whole gradient.
-- `parameter_server`: the gradient is cut into S shards, one per server (devices 0, N/S, 2N/S, ...); every worker
-  pushes each shard to its server, the servers sum, and send the sum back to every worker. A server sends
-  (N - 1)/S of the gradient, a worker 1: the centralised pattern's hot spot, kept so its cost can be compared.
-  Every worker then applies the same optimizer update (sending back updated parameters instead would move the
-  same bytes; keeping the optimizer state on the servers only is what `fsdp` does in this framework).
+- `star`: the gradient is cut into S shards, one per hub (devices 0, N/S, 2N/S, ...); every device sends each
+  shard to its hub, the hubs sum, and send the sum back to every device. A hub sends (N - 1)/S of the gradient,
+  another device 1: the centralised pattern's hot spot, kept so its cost can be compared. Every device then applies
+  the same optimizer update (sending back updated parameters instead would move the same bytes; keeping the
+  optimizer state on the hubs only is what `fsdp` does in this framework). (Not the Ray engine's parameter server,
+  `engine.kind=ray`, which applies updates apart from the workers.)
 
 The gradient is flattened, padded to a multiple of N and cut into buckets of `bucket_bytes`; with
 `compression="bf16"` every message is bfloat16 while sums are kept in float32, and each value is rounded once, by
@@ -33,7 +34,7 @@ from jax.flatten_util import ravel_pytree
 from jaxtrain.analysis.comm_report import Expected
 from jaxtrain.errors import UserInputError
 
-ALGORITHMS = ("ring", "hierarchical", "parameter_server")
+ALGORITHMS = ("ring", "hierarchical", "star")
 COMPRESSIONS = {"none": None, "bf16": jnp.bfloat16}
 GROUP_AXIS = "replica"  # hierarchical: the axis across groups; the other data-parallel axes are inside a group
 
@@ -50,26 +51,32 @@ class GradientSync:
     axes: tuple[str, ...]
     sizes: Mapping[str, int]
     bucket_bytes: int = 4 << 20
-    servers: int = 1
+    hubs: int = 1
     compression: str = "none"
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
-            raise GradSyncError(f"grad_sync='{self.algorithm}': use xla, fused or one of {', '.join(ALGORITHMS)}.")
+            raise GradSyncError(
+                f"allreduce.algorithm='{self.algorithm}': use xla, fused or one of {', '.join(ALGORITHMS)}."
+            )
         if self.compression not in COMPRESSIONS:
-            raise GradSyncError(f"grad_compression='{self.compression}': use {' or '.join(COMPRESSIONS)}.")
+            raise GradSyncError(f"allreduce.compression='{self.compression}': use {' or '.join(COMPRESSIONS)}.")
         if self.replicas < 2:
-            raise GradSyncError(f"grad_sync={self.algorithm} needs at least 2 data-parallel replicas; the mesh has 1.")
+            raise GradSyncError(
+                f"allreduce.algorithm={self.algorithm} needs at least 2 data-parallel replicas; the mesh has 1."
+            )
         if self.algorithm == "hierarchical" and (GROUP_AXIS not in self.axes or self.replicas == self.groups):
             raise GradSyncError(
-                f"grad_sync=hierarchical needs groups: a '{GROUP_AXIS}' axis (across the slow link) and data "
+                f"allreduce.algorithm=hierarchical needs groups: a '{GROUP_AXIS}' axis (across the slow link) and data "
                 f"parallelism inside each group, e.g. --mesh {GROUP_AXIS}=2,data=4; this mesh has "
                 f"{', '.join(f'{a}={self.sizes[a]}' for a in self.axes)}."
             )
-        if self.algorithm == "parameter_server" and (self.servers < 1 or self.replicas % self.servers):
-            raise GradSyncError(f"ps_servers={self.servers} must divide the {self.replicas} data-parallel replicas.")
+        if self.algorithm == "star" and (self.hubs < 1 or self.replicas % self.hubs):
+            raise GradSyncError(
+                f"allreduce.hubs={self.hubs} must divide the {self.replicas} data-parallel replicas: choose a divisor."
+            )
         if self.bucket_bytes < 4 * self.replicas:
-            raise GradSyncError("grad_bucket_mb is too small: a bucket needs at least one value per replica.")
+            raise GradSyncError("allreduce.bucket_mb is too small: a bucket needs at least one value per replica.")
 
     @property
     def replicas(self) -> int:
@@ -90,7 +97,7 @@ class GradientSync:
         unit = 2 * self.replicas  # every chunk even-sized, so bfloat16 messages pack into 32-bit words
         padded = jnp.pad(flat.astype(jnp.float32), (0, -flat.size % unit))
         step = max(unit, self.bucket_bytes // 4 // unit * unit)
-        reduce = {"ring": self._ring, "hierarchical": self._hierarchical, "parameter_server": self._servers}
+        reduce = {"ring": self._ring, "hierarchical": self._hierarchical, "star": self._star}
         summed = jnp.concatenate([reduce[self.algorithm](padded[i : i + step]) for i in range(0, padded.size, step)])
         return unravel((summed[: flat.size] / self.replicas).astype(flat.dtype))
 
@@ -143,25 +150,25 @@ class GradientSync:
             chunks = chunks.at[(i - k - 1) % n].set(self._send(chunks[(i - k) % n], axes, ring))
         return chunks.reshape(-1)
 
-    def _servers(self, bucket):
-        """Push: in round r, server s (device s * N/S) receives its shard from device (s * N/S + r) mod N. Pull: in
+    def _star(self, bucket):
+        """Push: in round r, hub s (device s * N/S) receives its shard from device (s * N/S + r) mod N. Pull: in
         round r, it sends the summed shard to that device. 2(N - 1) rounds, each a partial permutation."""
-        n, s, i = self.replicas, self.servers, jax.lax.axis_index(self.axes)
+        n, s, i = self.replicas, self.hubs, jax.lax.axis_index(self.axes)
         stride, shards = n // s, bucket.reshape(s, -1)
-        own = jnp.where(i % stride == 0, i // stride, 0)  # the shard this device serves, if it is a server
+        own = jnp.where(i % stride == 0, i // stride, 0)  # the shard this device sums, if it is a hub
         total = shards[own]
         for r in range(1, n):
             sources = [((k * stride + r) % n, k * stride) for k in range(s)]
-            target = (i - r) % n  # the device this one pushes to in round r, if that one is a server
+            target = (i - r) % n  # the device this one pushes to in round r, if that one is a hub
             total = total + self._send(shards[(target // stride) % s], self.axes, sources)
         summed = self._round(total)
         gathered = jnp.zeros_like(shards).at[own].set(jnp.where(i % stride == 0, summed, 0))
         for r in range(1, n):
             targets = [(k * stride, (k * stride + r) % n) for k in range(s)]
-            origin = (i - r) % n  # the server this device hears from in round r, if it is one
+            origin = (i - r) % n  # the hub this device hears from in round r, if it is one
             received = self._send(summed, self.axes, targets)
-            is_server = origin % stride == 0
-            gathered = gathered.at[(origin // stride) % s].add(jnp.where(is_server, received, 0))
+            is_hub = origin % stride == 0
+            gathered = gathered.at[(origin // stride) % s].add(jnp.where(is_hub, received, 0))
         return gathered.reshape(-1)
 
     def _size(self, axes: tuple[str, ...]) -> int:
@@ -179,14 +186,14 @@ class GradientSync:
                 Expected(f"inside groups, 2(K-1)/K x gradient, K={k}", 2 * (k - 1) / k * g, self.inner_axes, sent),
                 Expected(f"across groups, 2(R-1)/R x gradient/K, R={r}", 2 * (r - 1) / r * g / k, (GROUP_AXIS,), sent),
             ]
-        s, server = self.servers, self.server_bytes(gradient_bytes)
-        mean = (s * server + (n - s) * g) / n  # a worker pushes each of the S shards to its server: g
-        return [Expected(f"parameter server (a server sends {server / g:.2f}x gradient)", mean, self.axes, sent)]
+        s, hub = self.hubs, self.hub_bytes(gradient_bytes)
+        mean = (s * hub + (n - s) * g) / n  # another device sends each of the S shards to its hub: g
+        return [Expected(f"star (a hub sends {hub / g:.2f}x gradient)", mean, self.axes, sent)]
 
-    def server_bytes(self, gradient_bytes: int) -> float:
-        """parameter_server: what each server (the busiest devices) sends per sync: its summed shard to the N - 1
-        others, and its push of the other shards to the S - 1 other servers."""
-        return (self.replicas - 1 + self.servers - 1) * self._sent_gradient(gradient_bytes) / self.servers
+    def hub_bytes(self, gradient_bytes: int) -> float:
+        """star: what each hub (the busiest devices) sends per sync: its summed shard to the N - 1 others, and its
+        push of the other shards to the S - 1 other hubs."""
+        return (self.replicas - 1 + self.hubs - 1) * self._sent_gradient(gradient_bytes) / self.hubs
 
     def _sent_gradient(self, gradient_bytes: int) -> float:
         """The bytes of a float32 gradient as `mean` sends it: padded to 2N values, halved in bfloat16."""

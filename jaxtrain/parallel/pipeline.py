@@ -150,7 +150,7 @@ def balanced_layout(n_layers: int, stages: int, virtual: int, costs: LayerCosts 
                 f"{n_layers} layers do not split into {chunks} equal chunks ({stages} stages x {virtual} virtual "
                 f"stages): the interleaved schedule needs V*P to divide the layer count."
                 if virtual > 1
-                else f"{n_layers} layers do not split evenly into {stages} stages; use train.stage_balance=cost."
+                else f"{n_layers} layers do not split evenly into {stages} stages; use pipeline.balance=cost."
             )
         return StageLayout(stages, virtual, (n_layers // chunks,) * chunks)
     extra = np.zeros(chunks)
@@ -284,9 +284,9 @@ def make_pipeline(
     microbatches = microbatches or stages
     check_schedule(schedule, stages, virtual, microbatches)
     if balance not in ("cost", "uniform"):
-        raise PipelineError(f"train.stage_balance='{balance}': use cost or uniform.")
+        raise PipelineError(f"pipeline.balance='{balance}': use cost or uniform.")
     if stash not in ("residuals", "inputs"):
-        raise PipelineError(f"train.pipeline_stash='{stash}': use residuals or inputs.")
+        raise PipelineError(f"pipeline.stash='{stash}': use residuals or inputs.")
     rows = _check_microbatches(batch_shapes, microbatches)
     n_layers = stacked_layer_count(logical_names, abstract_params)
     costs = None
@@ -319,7 +319,7 @@ def _check_microbatches(batch: dict, microbatches: int) -> int:
     if rows % microbatches:
         raise PipelineError(
             f"a batch of {rows} rows does not split into {microbatches} pipeline microbatches; "
-            "use a batch size divisible by train.microbatches (times train.grad_accum)."
+            "use a batch size divisible by pipeline.microbatches (times train.grad_accum)."
         )
     return rows
 

@@ -143,17 +143,17 @@ def check_schedule(name: str, stages: int, virtual: int, microbatches: int) -> N
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown pipeline schedule '{name}'; choose one of: {', '.join(SCHEDULES)}.")
     if microbatches < 1:
-        raise ScheduleError(f"train.microbatches={microbatches}: a pipeline needs at least 1 microbatch.")
+        raise ScheduleError(f"pipeline.microbatches={microbatches}: a pipeline needs at least 1 microbatch.")
     if virtual < 1:
-        raise ScheduleError(f"train.virtual_stages={virtual}: use 1 or more chunks per device.")
+        raise ScheduleError(f"pipeline.virtual_stages={virtual}: use 1 or more chunks per device.")
     if name != "interleaved" and virtual != 1:
         raise ScheduleError(
-            f"train.virtual_stages={virtual} needs schedule=interleaved; {name} runs one chunk per device."
+            f"pipeline.virtual_stages={virtual} needs schedule=interleaved; {name} runs one chunk per device."
         )
     if name == "interleaved" and microbatches % stages:
         raise ScheduleError(
             f"the interleaved schedule sends microbatches round the {stages} stages in groups of {stages}, so "
-            f"train.microbatches must be a multiple of {stages} (got {microbatches})."
+            f"pipeline.microbatches must be a multiple of {stages} (got {microbatches})."
         )
 
 

@@ -1,8 +1,8 @@
-"""Update policies (`train.sync`): when the replicas' gradients meet the parameters.
+"""Update policies (`updates.policy`): when the replicas' gradients meet the parameters.
 
 - `synchronous`: every step, the mean gradient over every data-parallel device updates one set of parameters.
 - `local_sgd` (federated averaging): each replica (an index on the `replica` mesh axis, itself possibly data-,
-  FSDP- or tensor-parallel inside) keeps its own parameters and optimizer state and takes `sync_every` = H steps on
+  FSDP- or tensor-parallel inside) keeps its own parameters and optimizer state and takes `average_every` = H steps on
   its own rows; then the parameters are averaged over the replicas. Communication across replicas drops H-fold.
 - `diloco`: the same, but the average is an outer step: the replicas' mean change since the last sync is a
   pseudo-gradient for an outer optimizer (SGD with Nesterov momentum, `outer_lr`, `outer_momentum`) on the global
@@ -43,21 +43,21 @@ class UpdatePolicyError(UserInputError):
 @dataclasses.dataclass(frozen=True)
 class UpdatePolicy:
     name: str = "synchronous"
-    sync_every: int = 1  # local_sgd, diloco: H local steps between averages
+    average_every: int = 1  # local_sgd, diloco: H local steps between averages
     staleness: int = 0  # stale: tau
     outer_lr: float = 0.7  # diloco's outer SGD
     outer_momentum: float = 0.9
 
     def __post_init__(self):
         if self.name not in POLICIES:
-            raise UpdatePolicyError(f"train.sync='{self.name}': use one of {', '.join(POLICIES)}.")
-        if self.is_local and self.sync_every < 1:
+            raise UpdatePolicyError(f"updates.policy='{self.name}': use one of {', '.join(POLICIES)}.")
+        if self.is_local and self.average_every < 1:
             raise UpdatePolicyError(
-                f"train.sync_every={self.sync_every}: {self.name} needs H >= 1 local steps between averages "
+                f"updates.average_every={self.average_every}: {self.name} needs H >= 1 local steps between averages "
                 "(H = 1 averages every step)."
             )
         if self.name == "stale" and self.staleness < 0:
-            raise UpdatePolicyError(f"train.staleness={self.staleness}: a gradient cannot arrive before it is made.")
+            raise UpdatePolicyError(f"updates.staleness={self.staleness}: a gradient cannot arrive before it is made.")
 
     @property
     def is_local(self) -> bool:
@@ -66,7 +66,7 @@ class UpdatePolicy:
     def check_mesh(self, mesh: Mesh) -> None:
         if self.is_local and mesh.shape[REPLICA_AXIS] < 2:
             raise UpdatePolicyError(
-                f"train.sync={self.name} trains replicas apart, one per index of the '{REPLICA_AXIS}' mesh axis, "
+                f"updates.policy={self.name} trains replicas apart, one per index of the '{REPLICA_AXIS}' mesh axis, "
                 f"but this mesh has {REPLICA_AXIS}=1. Use e.g. --mesh {REPLICA_AXIS}=8, or {REPLICA_AXIS}=2,data=4 "
                 "(data parallel inside each replica)."
             )
@@ -146,10 +146,10 @@ def local_step(
     outer: optax.GradientTransformation,
     schedule: optax.Schedule,
     mesh: Mesh,
-    sync_every: int,
+    average_every: int,
     total_steps: int,
 ) -> tuple[dict[str, PyTree], dict[str, jax.Array]]:
-    """Each replica takes an optimizer step on its own rows; every `sync_every` steps (and at the last step) the
+    """Each replica takes an optimizer step on its own rows; every `average_every` steps (and at the last step) the
     replicas' mean change is applied to the global params by `outer`, and every replica restarts from them.
 
     One `shard_map` manual over `replica` only: inside, each replica's step is the ordinary one, sharded over the
@@ -166,7 +166,7 @@ def local_step(
             new_params = optax.apply_updates(params, updates)
             return new_params, new_opt_state, new_params
 
-        due = ((step + 1) % sync_every == 0) | (step + 1 == total_steps)
+        due = ((step + 1) % average_every == 0) | (step + 1 == total_steps)
         params, opt_state, own_params = jax.lax.cond(due, average, lambda: (params, opt_state, own["params"]))
         nonfinite = jax.lax.pmax(metrics.pop("nonfinite"), REPLICA_AXIS)
         metrics = {**jax.lax.pmean(metrics, REPLICA_AXIS), "nonfinite": nonfinite}

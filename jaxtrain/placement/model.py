@@ -14,7 +14,7 @@ from jaxtrain.errors import UserInputError
 PyTree = Any
 
 
-class PlanError(UserInputError):
+class PlacementError(UserInputError):
     """A model, batch or rule set that cannot be laid out on the mesh."""
 
 
@@ -31,14 +31,14 @@ class ModelParts:
         return nnx.merge(self.graphdef, params).loss(batch)
 
     def init_params(self, seed: int) -> PyTree:
-        with nnx.use_eager_sharding(False):  # shardings come from the plan, not from Flax's eager annotation
+        with nnx.use_eager_sharding(False):  # shardings come from `Shardings`, not from Flax's eager annotation
             return nnx.to_pure_dict(nnx.state(self.build(nnx.Rngs(seed)), nnx.Param))
 
 
 def split_model(build: Callable[[nnx.Rngs], nnx.Module], replicate_unnamed: bool = False) -> ModelParts:
     """Trace `build` abstractly (no memory) and read each parameter's logical names from its metadata.
 
-    A parameter without names is a `PlanError` naming it, unless `replicate_unnamed`: then every device keeps the
+    A parameter without names is a `PlacementError` naming it, unless `replicate_unnamed`: then every device keeps the
     whole of it (its dims are named None)."""
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
@@ -52,7 +52,7 @@ def split_model(build: Callable[[nnx.Rngs], nnx.Module], replicate_unnamed: bool
             logical = (None,) * len(variable.shape)
         _set_path(names, path, tuple(logical))
     if unnamed and not replicate_unnamed:
-        raise PlanError(_unnamed_message(unnamed))
+        raise PlacementError(_unnamed_message(unnamed))
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     return ModelParts(graphdef, params, names, build)
 

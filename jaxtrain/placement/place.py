@@ -4,10 +4,10 @@ the planner, the asynchronous engine, the examples) gets a model onto devices.
     model name + config --(registry)--> spec --(split)--> graph, abstract params, logical names
     mesh layout --> mesh (real devices, or an abstract mesh for planning) + the layout's rule overrides
     default rules + layout's overrides + the run's overrides --> rules
-    all of it --> `PlacedModel.plan(optimizer, stages, policy)`: the shardings of the state that product keeps
+    all of it --> `PlacedModel.shardings(optimizer, stages, policy)`: the shardings of the state that product keeps
 
 >>> placed = place_model("gpt-tiny", default_config("gpt-tiny").model, "data=2,tensor=2")  # doctest: +SKIP
->>> placed.plan().table()                            # params only: generation and import keep no optimizer state
+>>> placed.shardings().table()                            # params only: generation and import keep no optimizer state
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jax.sharding import AbstractMesh, Mesh
 from jaxtrain.parallel.pipeline import StageLayout
 from jaxtrain.parallel.updates import UpdatePolicy
 from jaxtrain.placement.model import ModelParts, split_model
-from jaxtrain.placement.plan import Plan, make_plan
+from jaxtrain.placement.shardings import Shardings, make_shardings
 from jaxtrain.registry import ModelSpec, resolve_model
 from jaxtrain.sharding.mesh import MeshLayout, build_mesh, parse_layout
 from jaxtrain.sharding.rules import ShardingRules
@@ -43,16 +43,16 @@ class PlacedModel:
         """The same model and rules on another mesh (generation on fewer devices than training had)."""
         return dataclasses.replace(self, mesh=mesh)
 
-    def plan(
+    def shardings(
         self,
         optimizer: optax.GradientTransformation | None = None,
         stages: StageLayout | None = None,
         policy: UpdatePolicy | None = None,
-    ) -> Plan:
+    ) -> Shardings:
         """The shardings of the state kept with this model: its params, and the state of `optimizer` (none when
         omitted: generation and import keep params alone) and of an update `policy`; `stages`: a pipeline's stage
         layout, which changes how the stacked layers are stored."""
-        return make_plan(self.mesh, self.rules, self.model, optimizer or optax.identity(), stages, policy)
+        return make_shardings(self.mesh, self.rules, self.model, optimizer or optax.identity(), stages, policy)
 
 
 def place_model(
@@ -70,7 +70,7 @@ def place_model(
 
     `mesh`: a mesh already built (an abstract one for planning without devices); then `layout` only supplies its
     rule overrides. `rule_overrides` (the run's `rules.*` keys) apply after the layout's, over the default rules.
-    Raises `PlanError` for a parameter without logical names, and the registry's and mesh's errors for a bad name
+    Raises `PlacementError` for a parameter without logical names, and the registry's and mesh's errors for a bad name
     or layout: nothing is allocated.
     """
     spec, _ = resolve_model(model)

@@ -13,7 +13,7 @@ segment ids travel with the blocks, but once per step (they are the same in ever
 head dim, and left out. Under a pipeline the layers divide over the stages and idle ticks add placeholder traffic,
 which this model does not count.
 
-    >>> transfers = context_attention_bytes(run.cfg, run.plan)        # doctest: +SKIP
+    >>> transfers = context_attention_bytes(run.cfg, run.shardings)        # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ import math
 
 import jax.numpy as jnp
 
-from jaxtrain.placement.plan import Plan
+from jaxtrain.placement.shardings import Shardings
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.run_config import RunConfig
 
 
-def context_attention_bytes(cfg: RunConfig, plan: Plan) -> list[Transfer]:
+def context_attention_bytes(cfg: RunConfig, shardings: Shardings) -> list[Transfer]:
     """Bytes each device sends per step for attention over the axes that split `seq`; none where nothing does or the
     model has no attention of this kind (a config without `context_parallel`)."""
     model = cfg.model
-    axes = tuple(a for a in plan.rules.activations.get("seq", ()) if plan.mesh.shape[a] > 1)
+    axes = tuple(a for a in shardings.rules.activations.get("seq", ()) if shardings.mesh.shape[a] > 1)
     if not axes or not hasattr(model, "context_parallel"):
         return []
-    ways = math.prod(plan.mesh.shape[a] for a in axes)
-    block = _kv_block_bytes(cfg, plan, ways)
+    ways = math.prod(shardings.mesh.shape[a] for a in axes)
+    block = _kv_block_bytes(cfg, shardings, ways)
     forward = model.n_layers * 2 * (ways - 1) * block
     if model.context_parallel == "ring":
         backward = model.n_layers * (2 * (ways - 1) * block + 2 * ways * block * 4 / _itemsize(model.dtype))
@@ -48,11 +48,11 @@ def context_attention_bytes(cfg: RunConfig, plan: Plan) -> list[Transfer]:
     ]
 
 
-def _kv_block_bytes(cfg: RunConfig, plan: Plan, ways: int) -> float:
+def _kv_block_bytes(cfg: RunConfig, shardings: Shardings, ways: int) -> float:
     """Bytes of one device's K (or V) per step: its rows, T / ways positions, the kv heads it holds."""
-    model, shape = cfg.model, plan.mesh.shape
-    rows = cfg.data.batch_size / math.prod(shape[a] for a in plan.rules.batch_axes() if shape[a] > 1)
-    tensor = math.prod(shape[a] for a in plan.rules.activations.get("heads", ()) if shape[a] > 1)
+    model, shape = cfg.model, shardings.mesh.shape
+    rows = cfg.data.batch_size / math.prod(shape[a] for a in shardings.rules.batch_axes() if shape[a] > 1)
+    tensor = math.prod(shape[a] for a in shardings.rules.activations.get("heads", ()) if shape[a] > 1)
     heads = model.kv_heads if model.kv_heads % tensor == 0 else model.n_heads
     return rows * cfg.data.seq_len / ways * heads / tensor * model.head_channels * _itemsize(model.dtype)
 

@@ -45,7 +45,7 @@ from jaxtrain.errors import UserInputError
 from jaxtrain.ops.plain import plain_kernels
 from jaxtrain.parallel.pipeline import PipelineError, StageLayout
 from jaxtrain.placement.place import place_model
-from jaxtrain.placement.plan import Plan
+from jaxtrain.placement.shardings import Shardings
 from jaxtrain.planner.context import context_attention_bytes
 from jaxtrain.planner.stages import (
     Stages,
@@ -63,7 +63,7 @@ from jaxtrain.registry import resolve_model
 from jaxtrain.run_config import RunConfig, apply_overrides
 from jaxtrain.sharding.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
 from jaxtrain.training.optim import make_optimizer
-from jaxtrain.training.setup import update_policy
+from jaxtrain.training.setup import update_policy, with_data_vocab
 
 # The compilers an estimate can follow: XLA for TPU and for GPU (what the chips run), and XLA:CPU (simulated devices,
 # to check an estimate on this machine: it stores arrays untiled and casts no weights before gathering them).
@@ -167,6 +167,7 @@ def estimate(
     >>> est = estimate(default_config("gpt-small"), chip("v5p"), 256, parse_layout("tpu-v5p-512"))  # doctest: +SKIP
     >>> est.fits, est.memory.peak, est.step_s                                                      # doctest: +SKIP
     """
+    cfg = with_data_vocab(cfg)  # the model as training builds it on this data
     compiler = compiler or platform_of(chip)
     if compiler not in COMPILERS:
         raise UserInputError(f"compiler '{compiler}': plan for one of {', '.join(COMPILERS)}.")
@@ -174,25 +175,25 @@ def estimate(
     _, dcn = layout.resolve(devices)  # checks the layout takes `devices`
     task = resolve_model(cfg.model_name)[0].task
     accum = cfg.train.grad_accum
-    plan = _abstract_plan(cfg, layout, devices)
+    shardings = _abstract_shardings(cfg, layout, devices)
     shapes = _batch_shapes(cfg, task)
-    batch = plan.abstract_batch(shapes, accum)  # checks the batch divides
-    micro = pipeline_microbatches(cfg, plan.mesh.shape["pipeline"])
+    batch = shardings.abstract_batch(shapes, accum)  # checks the batch divides
+    micro = pipeline_microbatches(cfg, shardings.mesh.shape["pipeline"])
     _check_microbatches(shapes, accum, micro)
-    step = StepTrace(plan, shapes, accum * micro, tiled=compiler == "tpu")
-    stages = plan_stages(cfg, step) if plan.mesh.shape["pipeline"] > 1 else None
+    step = StepTrace(shardings, shapes, accum * micro, tiled=compiler == "tpu")
+    stages = plan_stages(cfg, step) if shardings.mesh.shape["pipeline"] > 1 else None
     if stages is not None:
-        plan = _abstract_plan(cfg, layout, devices, stages.layout)  # the params as the stages store them
-        work = _pipelined(plan, step, stages, accum, compiler)
+        shardings = _abstract_shardings(cfg, layout, devices, stages.layout)  # the params as the stages store them
+        work = _pipelined(shardings, step, stages, accum, compiler)
     else:
-        work = _unpipelined(plan, step, accum)
-    memory = _memory(plan, batch, step, work, accum)
-    transfers = [*work.transfers, *context_attention_bytes(cfg, plan)]
+        work = _unpipelined(shardings, step, accum)
+    memory = _memory(shardings, batch, step, work, accum)
+    transfers = [*work.transfers, *context_attention_bytes(cfg, shardings)]
     model_flops, traced = _model_flops(cfg, task, step, devices)
     return Estimate(
         cfg,
         layout,
-        dict(plan.mesh.shape),
+        dict(shardings.mesh.shape),
         frozenset(a for a in MESH_AXES if dcn[a] > 1),
         chip,
         memory,
@@ -218,20 +219,20 @@ class _Work:
     working: float
 
 
-def _unpipelined(plan: Plan, step: StepTrace, accum: int) -> _Work:
+def _unpipelined(shardings: Shardings, step: StepTrace, accum: int) -> _Work:
     """The traced microbatch `accum` times over, its weights travelling as `Runs.unpipelined` says."""
     tally = (step.gradient["layers"] + step.gradient["rest"]) * accum
-    weights = weight_transfers(plan, Runs.unpipelined(accum), *step.weight_uses())
+    weights = weight_transfers(shardings, Runs.unpipelined(accum), *step.weight_uses())
     return _Work(
         tally.flops, tally.matmul_bytes, [*weights, *tally.transfers], step.saved_bytes(), step.working_bytes()
     )
 
 
-def _pipelined(plan: Plan, step: StepTrace, stages: Stages, accum: int, compiler: str) -> _Work:
+def _pipelined(shardings: Shardings, step: StepTrace, stages: Stages, accum: int, compiler: str) -> _Work:
     """The traced pipeline microbatch through the schedule's ticks (`jaxtrain.planner.stages`), `accum` times."""
     tally = pipelined_work(step, stages) * accum
-    weights = weight_transfers(plan, stages.weight_runs(accum), *step.weight_uses())
-    transfers = [*weights, *tally.transfers, *stage_transfers(step, plan, stages, accum)]
+    weights = weight_transfers(shardings, stages.weight_runs(accum), *step.weight_uses())
+    transfers = [*weights, *tally.transfers, *stage_transfers(step, shardings, stages, accum)]
     return _Work(tally.flops, tally.matmul_bytes, transfers, *pipelined_memory(step, stages, compiler))
 
 
@@ -240,18 +241,20 @@ def _check_microbatches(shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, 
     if micro > 1 and rows % (accum * micro):
         raise PipelineError(
             f"a batch of {rows} rows does not split into {accum} accumulation pieces of {micro} pipeline "
-            "microbatches; use a batch size divisible by train.microbatches (times train.grad_accum)."
+            "microbatches; use a batch size divisible by pipeline.microbatches (times train.grad_accum)."
         )
 
 
-def _abstract_plan(cfg: RunConfig, layout: MeshLayout, devices: int, stages: StageLayout | None = None) -> Plan:
+def _abstract_shardings(
+    cfg: RunConfig, layout: MeshLayout, devices: int, stages: StageLayout | None = None
+) -> Shardings:
     """The run's plan on an abstract mesh of `devices`: the same shardings a real run gets, nothing allocated;
     `stages`: the pipeline's stage layout (how the stacked layers are stored). The model computes with plain kernels
     (`jaxtrain.ops.plain`): loops under custom gradients are not read, their plain math is."""
     model = plain_kernels(cfg.model)
     placed = place_model(cfg.model_name, model, layout, cfg.rules, mesh=abstract_mesh(layout, devices))
     optimizer, _ = make_optimizer(cfg.optimizer, cfg.train.steps, placed.model.logical_names)
-    return placed.plan(optimizer, stages, update_policy(cfg, placed.mesh))
+    return placed.shardings(optimizer, stages, update_policy(cfg, placed.mesh))
 
 
 def _batch_shapes(cfg: RunConfig, task: str) -> dict[str, jax.ShapeDtypeStruct]:
@@ -267,8 +270,8 @@ def platform_of(chip: Chip) -> str:
     return "tpu" if chip.device_kinds[0].startswith("TPU") else "gpu"
 
 
-def _memory(plan: Plan, batch: object, step: StepTrace, work: _Work, accum: int) -> Memory:
-    state, tiled = plan.abstract_state, step.shares.tiled
+def _memory(shardings: Shardings, batch: object, step: StepTrace, work: _Work, accum: int) -> Memory:
+    state, tiled = shardings.abstract_state, step.shares.tiled
     other = {k: v for k, v in state.items() if k not in ("params", "opt_state")}
     params = _held(state["params"], tiled)
     return Memory(
@@ -278,7 +281,7 @@ def _memory(plan: Plan, batch: object, step: StepTrace, work: _Work, accum: int)
         batch=_held(batch, tiled),
         grads=params * (2 if accum > 1 else 1),
         activations=work.activations,
-        working=work.working + gathered_layer_bytes(plan, step.used),
+        working=work.working + gathered_layer_bytes(shardings, step.used),
     )
 
 
@@ -295,7 +298,7 @@ def _model_flops(cfg: RunConfig, task: str, step: StepTrace, devices: int) -> tu
     fallback), the trace counts every trip of a scanned layer stack."""
     train_flops = getattr(cfg.model, "train_flops", None)
     if train_flops is None:
-        return 3 * step.forward_flops() / step.plan.mesh.shape["pipeline"], True  # stages share the layers
+        return 3 * step.forward_flops() / step.shardings.mesh.shape["pipeline"], True  # stages share the layers
     seq_len = cfg.data.seq_len if task == "lm" else 1
     return train_flops(cfg.data.batch_size, seq_len) / devices, False
 

@@ -16,7 +16,7 @@ from jaxtrain.errors import UserInputError
 from jaxtrain.run_config import RunConfig
 
 if TYPE_CHECKING:
-    from jaxtrain.training.setup import Setup
+    from jaxtrain.training.setup import Run
 
 CACHE_HIT = "/jax/compilation_cache/cache_hits"  # JAX's event for a program read from its persistent cache
 
@@ -64,7 +64,7 @@ def measure(cfg: RunConfig, devices: Sequence[jax.Device]) -> Measured:
     compiled = run.train_step
     m = compiled.memory_analysis()
     comm: dict[tuple[str, ...], float] = collections.defaultdict(float)
-    for row in communication_report(compiled, run.plan.mesh).rows:
+    for row in communication_report(compiled, run.shardings.mesh).rows:
         comm[row.axes] += row.mean
     return Measured(
         devices[0].platform,
@@ -79,10 +79,10 @@ def measure(cfg: RunConfig, devices: Sequence[jax.Device]) -> Measured:
     )
 
 
-def compile_train_step(run: Setup) -> tuple[float, bool]:
+def compile_train_step(run: Run) -> tuple[float, bool]:
     """Compile `run.train_step` (kept on the run); the seconds it took and whether JAX's persistent compilation
     cache supplied it. Raises CompilerRefused, with the compiler's message, when it runs out of device memory."""
-    devices = list(run.plan.mesh.devices.flat)
+    devices = list(run.shardings.mesh.devices.flat)
     hits = []
 
     def on_event(event: str, **_) -> None:

@@ -32,7 +32,7 @@ from jaxtrain.analysis.comm_report import SEND_SHARE
 from jaxtrain.analysis.memory import device_bytes
 from jaxtrain.parallel.pipeline import StageLayout, balanced_layout, estimate_costs
 from jaxtrain.parallel.schedules import Schedule, build_schedule
-from jaxtrain.placement.plan import Plan
+from jaxtrain.placement.shardings import Shardings
 from jaxtrain.planner.tracing import StepTrace, Tally
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.planner.weights import Runs, exchanged_tables
@@ -78,15 +78,15 @@ def plan_stages(cfg: RunConfig, step: StepTrace) -> Stages:
     """The schedule and the stage layout of `cfg`'s pipeline, as the runtime builds them: balanced on XLA's cost
     analysis of one layer and of the head on one microbatch (two small programs compiled for this machine's CPU,
     the only compiling planning does), which decides how many layers the busiest stage runs."""
-    t, p = cfg.train, step.plan.mesh.shape["pipeline"]
+    t, p = cfg.pipeline, step.shardings.mesh.shape["pipeline"]
     microbatches = t.microbatches or p
     costs = None
-    if t.stage_balance == "cost" and t.virtual_stages == 1:
-        model = step.plan.model
+    if t.balance == "cost" and t.virtual_stages == 1:
+        model = step.shardings.model
         micro = {k: jax.ShapeDtypeStruct((step.shares.batch, *s.shape[1:]), s.dtype) for k, s in step.args[1].items()}
         costs = estimate_costs(model.loss_fn, model.logical_names, model.abstract_params, micro)
     layout = balanced_layout(step.layers, p, t.virtual_stages, costs)
-    return Stages(build_schedule(t.schedule, p, t.virtual_stages, microbatches), layout, t.pipeline_stash)
+    return Stages(build_schedule(t.schedule, p, t.virtual_stages, microbatches), layout, t.stash)
 
 
 def pipelined_work(step: StepTrace, stages: Stages) -> Tally:
@@ -99,17 +99,17 @@ def pipelined_work(step: StepTrace, stages: Stages) -> Tally:
     return layers + grad["rest"] * stages.schedule.microbatches
 
 
-def stage_transfers(step: StepTrace, plan: Plan, stages: Stages, accum: int) -> list[Transfer]:
+def stage_transfers(step: StepTrace, shardings: Shardings, stages: Stages, accum: int) -> list[Transfer]:
     """The pipeline axis's own collectives per step: activations and gradients handed on at every tick, and the
     sums over the stages at the end (on XLA:CPU the embedding's output gradient is summed in float32)."""
-    p, m = plan.mesh.shape["pipeline"], stages.schedule.microbatches
+    p, m = shardings.mesh.shape["pipeline"], stages.schedule.microbatches
     x, itemsize = step.stage_io(), step.stage_io_itemsize()
-    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
-    leaves = jax.tree.leaves(plan.abstract_state["params"])
+    names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
+    leaves = jax.tree.leaves(shardings.abstract_state["params"])
     outer = sum(device_bytes(leaf) for ns, leaf in zip(names, leaves) if not is_layer_stack(ns))
     # TPU and GPU compilers sum the gradient of a table whose rows are exchanged (an embedding under FSDP) over the
     # stages a second time, forming it outside the loop from the stages' parts; XLA:CPU sums the parts first.
-    tables = sum(device_bytes(leaves[i]) for i in exchanged_tables(plan, step.used, step.tables))
+    tables = sum(device_bytes(leaves[i]) for i in exchanged_tables(shardings, step.used, step.tables))
     share = SEND_SHARE["all-reduce"](p) * accum
     summed, in_float32 = share * (outer + tables + m * x), share * (outer + m * x * 4 / itemsize)
     return [
@@ -138,4 +138,4 @@ def pipelined_memory(step: StepTrace, stages: Stages, compiler: str) -> tuple[fl
 
 def pipeline_microbatches(cfg: RunConfig, stages: int) -> int:
     """Pipeline microbatches per accumulation piece over `stages` stages (1 without a pipeline)."""
-    return (cfg.train.microbatches or stages) if stages > 1 else 1
+    return (cfg.pipeline.microbatches or stages) if stages > 1 else 1

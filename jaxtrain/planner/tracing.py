@@ -23,7 +23,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
 
 from jaxtrain.analysis.comm_report import SEND_SHARE
-from jaxtrain.placement.plan import Plan
+from jaxtrain.placement.shardings import Shardings
 from jaxtrain.planner.layouts import Flow, Shares, Spec, body_of, scan_parts, spec_entries, walk
 from jaxtrain.planner.residuals import held_residuals
 from jaxtrain.planner.transfers import Transfer
@@ -76,23 +76,25 @@ class StepTrace:
     the scanned layer stack, "rest": the embedding, head and loss) the `gradient`'s and the `forward` pass's
     `Tally` for one microbatch. `tiled`: memory is counted as XLA:TPU stores arrays."""
 
-    def __init__(self, plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, tiled: bool = False):
-        self.plan, self.accum = plan, accum
-        self.shares = dataclasses.replace(_shares(plan, shapes, accum), tiled=tiled)
-        self.param_specs = params_in_use(plan)
+    def __init__(
+        self, shardings: Shardings, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, tiled: bool = False
+    ):
+        self.shardings, self.accum = shardings, accum
+        self.shares = dataclasses.replace(_shares(shardings, shapes, accum), tiled=tiled)
+        self.param_specs = params_in_use(shardings)
         # Per param: the share of it a device holds over the share it uses (below 1 where FSDP gathers it).
-        leaves = jax.tree.leaves(plan.abstract_state["params"])
+        leaves = jax.tree.leaves(shardings.abstract_state["params"])
         self._gathered = [
             math.prod(p.sharding.shard_shape(p.shape)) / math.prod(self.shares.sizes(p.shape, spec))
             for p, spec in zip(leaves, self.param_specs)
         ]
-        self.loss = lambda p, b: plan.model.loss_fn(p, b)[0]
+        self.loss = lambda p, b: shardings.model.loss_fn(p, b)[0]
         probe = self.shares.probe
         self.args = (
-            plan.model.abstract_params,
+            shardings.model.abstract_params,
             {k: jax.ShapeDtypeStruct((probe, *s.shape[1:]), s.dtype) for k, s in shapes.items()},
         )
-        self.layers = _stacked_layers(plan)
+        self.layers = _stacked_layers(shardings)
         self.loss_jaxpr = self._trace(self.loss).jaxpr
         self._note_params(grad_jaxpr := self._trace(jax.value_and_grad(self.loss)).jaxpr)
         self.gradient, self.forward = self._read(grad_jaxpr), self._read(self.loss_jaxpr)
@@ -100,7 +102,7 @@ class StepTrace:
         self.flops, self.matmul_bytes = total.flops, total.matmul_bytes
 
     def _trace(self, fn: Any, args: Sequence[Any] | None = None) -> ClosedJaxpr:
-        with activation_sharding(self.plan.mesh, self.plan.rules):
+        with activation_sharding(self.shardings.mesh, self.shardings.rules):
             return jax.make_jaxpr(fn)(*(args or self.args))
 
     def saved_bytes(self) -> float:
@@ -146,7 +148,7 @@ class StepTrace:
         """What `jaxtrain.planner.weights.weight_transfers` needs of the step: per param, the axes splitting the
         rows it meets and the dtype it is used in; per table, the bytes of the rows looked up and of their
         gradients (per microbatch)."""
-        leaves = jax.tree.leaves(self.plan.abstract_state["params"])
+        leaves = jax.tree.leaves(self.shardings.abstract_state["params"])
         tables = {i: (t.rows, t.cotangent_bytes(np.dtype(leaves[i].dtype).itemsize)) for i, t in self.tables.items()}
         return self.used, self.use_itemsize, tables
 
@@ -236,7 +238,7 @@ class StepTrace:
                 )
                 # Sums over positions of a split sequence are weights' gradients, reduced with the weights
                 # (`jaxtrain.planner.weights`), or attention's, which `jaxtrain.planner.context` models.
-                for axis in combined - {"pipeline", *self.plan.rules.activations.get("seq", ())}
+                for axis in combined - {"pipeline", *self.shardings.rules.activations.get("seq", ())}
             ]
             if sums:
                 partials.hold(out, sums)
@@ -287,7 +289,7 @@ class StepTrace:
 
     def _lookup_axes(self, eqn: Any, param: int) -> tuple[str, ...]:
         """Axes splitting the dims a gather indexes in parameter `param`: each device looks up its own rows."""
-        leaf = jax.tree.leaves(self.plan.abstract_state["params"])[param]
+        leaf = jax.tree.leaves(self.shardings.abstract_state["params"])[param]
         spec = spec_entries(leaf.sharding.spec, len(leaf.shape))
         indexed = eqn.params["dimension_numbers"].start_index_map
         axes = {a for d in indexed for a in spec[d] if a != "pipeline"}
@@ -333,29 +335,29 @@ class _PartialSums:
         return owed
 
 
-def _shares(plan: Plan, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int) -> Shares:
+def _shares(shardings: Shardings, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int) -> Shares:
     """How to read per-device shares of the step traced for `shapes` (one microbatch of `accum`) on `plan`'s mesh:
     the probe rows (a prime above every other dim, times the mesh size) and the sizes of the logical dims each
     non-batch axis splits."""
-    mesh = plan.mesh
-    batch_axes = tuple(a for a in plan.rules.batch_axes() if mesh.shape[a] > 1)
-    dims = _logical_sizes(plan)
+    mesh = shardings.mesh
+    batch_axes = tuple(a for a in shardings.rules.batch_axes() if mesh.shape[a] > 1)
+    dims = _logical_sizes(shardings)
     batch = next(iter(shapes.values())).shape[0] // accum
     probe = _prime_above(max([batch, *dims.values(), *(d for s in shapes.values() for d in s.shape)])) * mesh.size
     # The pipeline axis splits no traced dim: the trace is the whole model on one microbatch, and
     # `jaxtrain.planner.stages` takes the share of its layer stack one stage runs.
     split = {
-        axis: frozenset(size for name, size in dims.items() if axis in plan.rules.activations.get(name, ()))
+        axis: frozenset(size for name, size in dims.items() if axis in shardings.rules.activations.get(name, ()))
         for axis in mesh.axis_names
         if mesh.shape[axis] > 1 and axis not in batch_axes and axis != "pipeline"
     }
     return Shares(probe, batch, batch_axes, split, dict(mesh.shape))
 
 
-def _stacked_layers(plan: Plan) -> int | None:
+def _stacked_layers(shardings: Shardings) -> int | None:
     """The length of the model's stacked `layers` dim (that of its layer stack's loop), or None."""
-    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
-    params = jax.tree.leaves(plan.model.abstract_params)
+    names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
+    params = jax.tree.leaves(shardings.model.abstract_params)
     return next((p.shape[0] for ns, p in zip(names, params) if is_layer_stack(ns)), None)
 
 
@@ -420,10 +422,10 @@ def _reshards(aval: Any, before: Spec | None, after: Spec | None, trips: int, sh
     return out
 
 
-def _logical_sizes(plan: Plan) -> dict[str, int]:
+def _logical_sizes(shardings: Shardings) -> dict[str, int]:
     """Size of each logical dim name, from the params that use it."""
-    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
-    params = jax.tree.leaves(plan.model.abstract_params)
+    names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
+    params = jax.tree.leaves(shardings.model.abstract_params)
     return {n: s for ns, p in zip(names, params) for n, s in zip(ns, p.shape) if n}
 
 

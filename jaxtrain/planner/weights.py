@@ -19,25 +19,27 @@ import numpy as np
 
 from jaxtrain.analysis.comm_report import SEND_SHARE
 from jaxtrain.analysis.memory import device_bytes
-from jaxtrain.placement.plan import Plan
+from jaxtrain.placement.shardings import Shardings
 from jaxtrain.planner.layouts import Spec, spec_entries
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.sharding.mesh import MESH_AXES
 from jaxtrain.sharding.rules import is_layer_stack, is_logical_names, spec_axes
 
 
-def params_in_use(plan: Plan) -> list[Spec]:
+def params_in_use(shardings: Shardings) -> list[Spec]:
     """Each param's layout where it is used: split where the activation rule of a dim's name splits that dim too
     (tensor-parallel dims, experts), whole where its axes are gathered before use (FSDP) or indexed (tables)."""
-    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
     out = []
-    for ns, p in zip(names, jax.tree.leaves(plan.abstract_state["params"])):
+    for ns, p in zip(names, jax.tree.leaves(shardings.abstract_state["params"])):
         spec = spec_entries(p.sharding.spec, len(p.shape))
-        out.append(tuple(tuple(a for a in d if n and a in plan.rules.activations.get(n, ())) for n, d in zip(ns, spec)))
+        out.append(
+            tuple(tuple(a for a in d if n and a in shardings.rules.activations.get(n, ())) for n, d in zip(ns, spec))
+        )
     return out
 
 
-def _weight_axes(plan: Plan, used: Mapping[int, set[str]]) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+def _weight_axes(shardings: Shardings, used: Mapping[int, set[str]]) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
     """Per param: (axes its weights are gathered over before use, axes its gradient is all-reduced over).
 
     A param is used over the axes that split the rows of the activations it meets (`used`; the batch axes when it
@@ -46,15 +48,15 @@ def _weight_axes(plan: Plan, used: Mapping[int, set[str]]) -> list[tuple[tuple[s
     experts' tokens travelling to them instead). A table's rows split over axes its lookups are not split over are
     never gathered either: each device looks up its own rows. The gradient is summed over the axes the param is
     used over but not split over."""
-    mesh, default = plan.mesh, set(plan.rules.batch_axes())
+    mesh, default = shardings.mesh, set(shardings.rules.batch_axes())
     # A sequence split over devices (context parallelism) splits the rows every weight meets as the batch does.
-    sequence = set(plan.rules.activations.get("seq", ()))
-    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
+    sequence = set(shardings.rules.activations.get("seq", ()))
+    names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
     out = []
-    for i, (ns, p) in enumerate(zip(names, jax.tree.leaves(plan.abstract_state["params"]))):
+    for i, (ns, p) in enumerate(zip(names, jax.tree.leaves(shardings.abstract_state["params"]))):
         over = (used.get(i, default) | sequence) - {""}
         spec = spec_entries(p.sharding.spec, len(p.shape))
-        in_place = {a for n, d in zip(ns, spec) for a in d if n and a in plan.rules.activations.get(n, ())}
+        in_place = {a for n, d in zip(ns, spec) for a in d if n and a in shardings.rules.activations.get(n, ())}
         live = [a for a in MESH_AXES if mesh.shape[a] > 1]
         gathered = tuple(a for a in live if a in spec_axes(p.sharding.spec) and a in over and a not in in_place)
         reduced = tuple(a for a in live if a in over and a not in spec_axes(p.sharding.spec))
@@ -83,7 +85,7 @@ class Runs:
 
 
 def weight_transfers(
-    plan: Plan,
+    shardings: Shardings,
     runs: Runs,
     used: Mapping[int, set[str]],
     use_itemsize: Mapping[int, int],
@@ -97,10 +99,10 @@ def weight_transfers(
     devices, and their gradients back; no gradient is reduced over those axes (`tables`, per table: bytes of the
     rows one device looks up per microbatch and of their gradients; `exchanged_tables`). `used`: per param, the
     axes splitting the rows of the activations it meets (`StepTrace.used`)."""
-    mesh, out, exchanged = plan.mesh, [], set(exchanged_tables(plan, used, tables))
-    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
-    params = jax.tree.leaves(plan.abstract_state["params"])
-    for i, (ns, p, (gathered, reduced)) in enumerate(zip(names, params, _weight_axes(plan, used))):
+    mesh, out, exchanged = shardings.mesh, [], set(exchanged_tables(shardings, used, tables))
+    names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
+    params = jax.tree.leaves(shardings.abstract_state["params"])
+    for i, (ns, p, (gathered, reduced)) in enumerate(zip(names, params, _weight_axes(shardings, used))):
         itemsize = np.dtype(p.dtype).itemsize
         shard, cast = device_bytes(p), use_itemsize.get(i, itemsize) / itemsize
         stacked = is_layer_stack(ns)
@@ -123,12 +125,12 @@ def weight_transfers(
     return out
 
 
-def exchanged_tables(plan: Plan, used: Mapping[int, set[str]], tables: Collection[int]) -> list[int]:
+def exchanged_tables(shardings: Shardings, used: Mapping[int, set[str]], tables: Collection[int]) -> list[int]:
     """The tables (of `tables`, param indices) whose looked-up rows are exchanged by all-to-all rather than the
     table gathered (see `weight_transfers`). The compilers do so for tables larger than the rows looked up, as an
     embedding is; a toy vocabulary smaller than one microbatch's rows is gathered like a weight instead (not
     modelled)."""
-    return [i for i, (gathered, _) in enumerate(_weight_axes(plan, used)) if gathered and i in tables]
+    return [i for i, (gathered, _) in enumerate(_weight_axes(shardings, used)) if gathered and i in tables]
 
 
 def _exchanged_rows(
@@ -145,13 +147,13 @@ def _exchanged_rows(
     ]
 
 
-def gathered_layer_bytes(plan: Plan, used: Mapping[int, set[str]]) -> float:
+def gathered_layer_bytes(shardings: Shardings, used: Mapping[int, set[str]]) -> float:
     """Bytes of the weights FSDP gathers at once: one layer of each stacked param, or the other params."""
-    names = jax.tree.leaves(plan.model.logical_names, is_leaf=is_logical_names)
-    params = jax.tree.leaves(plan.abstract_state["params"])
+    names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
+    params = jax.tree.leaves(shardings.abstract_state["params"])
     stacked = other = 0.0
-    for ns, p, (gathered, _) in zip(names, params, _weight_axes(plan, used)):
-        ways = math.prod(plan.mesh.shape[a] for a in gathered)
+    for ns, p, (gathered, _) in zip(names, params, _weight_axes(shardings, used)):
+        ways = math.prod(shardings.mesh.shape[a] for a in gathered)
         if ways == 1:
             continue
         if is_layer_stack(ns):

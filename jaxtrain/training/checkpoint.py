@@ -1,6 +1,6 @@
 """Checkpoints with Orbax: the train state, the data position and the run's config, saved asynchronously.
 
-A checkpoint holds the state in the model's own layer order (`Plan.state_in_model_order`) and no layout: restoring
+A checkpoint holds the state in the model's own layer order (`Shardings.state_in_model_order`) and no layout: restoring
 reads every array straight into the shardings of the *current* plan, so a run saved on one mesh resumes on another
 (8 -> 4 -> 1 devices, data parallel -> FSDP x tensor, with or without a pipeline). Orbax writes each checkpoint to a
 temporary directory and renames it when complete, so a crash mid-save leaves the previous checkpoint usable.

@@ -41,12 +41,12 @@ from jaxtrain.training.recovery import (
     stop_signals,
 )
 from jaxtrain.training.run_identity import config_json
-from jaxtrain.training.setup import Setup, setup
+from jaxtrain.training.setup import Run, setup, with_data_vocab
 from jaxtrain.training.stragglers import StepTimes
 from jaxtrain.training.tracking import WandbSink, wandb_module
 
 
-def evaluate(run: Setup, params: Any) -> dict[str, float]:
+def evaluate(run: Run, params: Any) -> dict[str, float]:
     """Mean metrics over `eval_batches` fixed validation batches."""
     results = [run.compiled_eval(params, run.batch("val", k)) for k in range(run.cfg.train.eval_batches)]
     return {f"val_{k}": float(np.mean([to_host(r[k]) for r in results])) for k in results[0]}
@@ -60,21 +60,22 @@ def train(
     dataset: Dataset | None = None,
 ) -> dict[str, Any]:
     """Run `cfg` to completion. Returns a summary: final metrics, throughput, the logged history, the state, and
-    the `Setup` it ran (its plan and compiled step, for inspection).
+    the `Run` it ran (its shardings and compiled step, for inspection).
 
     `on_metrics` receives each logged step's record, `{"step": ..., "loss": ..., ...}`, as it is written to
-    `train.metrics_file` (e.g. to redraw a plot in a notebook). `dataset`: your own data instead of
+    `tracking.metrics_file` (e.g. to redraw a plot in a notebook). `dataset`: your own data instead of
     `cfg.data.source`, e.g. `jaxtrain.data.datasets.TokenWindows(token_ids, seq_len, seed)` for token ids in memory
     (any object with the `Dataset` protocol's `task`, `shapes` and `rows`). A checkpoint records the config, not the
     data: resuming with other data is not detected.
 
-    With `train.checkpoint_dir`, it holds that directory's lock (`run_lock`: one writer at a time), resumes from the
+    With `checkpoint.dir`, it holds that directory's lock (`run_lock`: one writer at a time), resumes from the
     newest checkpoint there if its config defines the same run (`run_identity`; else `RunIdentityError`, before
-    anything is written), and saves every `checkpoint_every` steps and at the end; on SIGTERM or SIGINT it finishes
+    anything is written), and saves every `checkpoint.every` steps and at the end; on SIGTERM or SIGINT it finishes
     the step, saves, and raises `Preempted`. After `rollback_after` skipped (non-finite) updates in a row it restores
     the newest checkpoint and skips the batches since. With several processes, process 0 logs, writes the metrics
     (file, TensorBoard, `on_metrics`); every process trains and checkpoints its shards.
     """
+    cfg = with_data_vocab(cfg)  # before the config is compared with a checkpoint's or stored: as the run builds it
     if cfg.engine.kind != "spmd":  # the asynchronous engine is another program, not a variant of this loop
         raise ConfigError(
             f"engine.kind={cfg.engine.kind}: this is the SPMD loop. Run the engine with `jaxtrain train --engine ray` "
@@ -82,23 +83,25 @@ def train(
         )
     lead = jax.process_index() == 0
     log = log if lead else lambda *_: None
-    if lead and cfg.train.tensorboard_dir:
+    if lead and cfg.tracking.tensorboard_dir:
         tensorboard_writer_class()  # a missing tensorboardX is an error now, not after compiling
-    if lead and cfg.train.wandb_project:  # likewise a missing wandb
+    if lead and cfg.tracking.wandb_project:  # likewise a missing wandb
         wandb_module()
-    with run_lock.holding(cfg.train.checkpoint_dir, log):  # one writer per checkpoint directory, from start to exit
+    with run_lock.holding(cfg.checkpoint.dir, log):  # one writer per checkpoint directory, from start to exit
         # Refused before anything compiles: a resume of another run's checkpoints, metrics into another run's files.
         run_name = check_resume(cfg)
-        profiled = check_profile_settings(cfg.train.profile_steps, cfg.train.profile_dir)
+        profiled = check_profile_settings(cfg.tracking.profile_steps, cfg.tracking.profile_dir)
         if lead:
-            check_outputs(cfg.train.metrics_file, cfg.train.tensorboard_dir, run_name)
+            check_outputs(cfg.tracking.metrics_file, cfg.tracking.tensorboard_dir, run_name)
         run = setup(cfg, log, devices, dataset)
         with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
             state, progress = initial_state(run, checkpoints, log)
-            peak, peak_source = peak_flops(list(run.plan.mesh.devices.flat), getattr(cfg.model, "dtype", "float32"))
+            peak, peak_source = peak_flops(
+                list(run.shardings.mesh.devices.flat), getattr(cfg.model, "dtype", "float32")
+            )
             log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
             sink = _metrics_sink(cfg, lead, on_metrics, progress, log)
-            traced = step_profiler(profiled, cfg.train.profile_dir)
+            traced = step_profiler(profiled, cfg.tracking.profile_dir)
             with Recorder(run, peak, sink) as recorder, stop_signals() as stop, traced as profiler:
                 state, preempted = _loop(run, state, progress, checkpoints, recorder, stop, log, profiler)
                 if checkpoints:
@@ -118,17 +121,17 @@ def _metrics_sink(
     silently)."""
     if not lead:
         return MetricsLog(None, cfg.train.steps, stream=None)
-    t = cfg.train
+    t = cfg.tracking
     wandb = None
     if t.wandb_project:
-        directory = t.wandb_dir or t.checkpoint_dir or "."
+        directory = t.wandb_dir or cfg.checkpoint.dir or "."
         wandb = WandbSink(t.wandb_project, directory, progress.run, config_json(cfg), t.wandb_mode)
         sync = f" (wandb sync {wandb.files} uploads it)" if wandb.mode == "offline" else ""
         log(f"W&B: {wandb.mode} run {progress.run} of project {t.wandb_project} in {wandb.files}{sync}")
     return MetricsLog(
         t.metrics_file or None,
-        t.steps,
-        t.progress,
+        cfg.train.steps,
+        cfg.train.progress,
         tensorboard_dir=t.tensorboard_dir or None,
         on_record=on_metrics,
         run=progress.run,
@@ -138,7 +141,7 @@ def _metrics_sink(
 
 
 def _loop(
-    run: Setup,
+    run: Run,
     state: Any,
     progress: Progress,
     checkpoints: Checkpoints | None,
@@ -162,7 +165,7 @@ def _loop(
             with times.own():
                 state, metrics = profiler.run(number, functools.partial(run.train_step, state, batch))
         except jax.errors.JaxRuntimeError as err:
-            memory_profile_on_oom(number, t.profile_dir or t.checkpoint_dir or ".")(err)
+            memory_profile_on_oom(number, run.cfg.tracking.profile_dir or run.cfg.checkpoint.dir or ".")(err)
             raise
         times.stepped(metrics)
         done = progress.step = number
@@ -202,7 +205,7 @@ def _loop(
 class Recorder:
     """Turns step metrics into log records with throughput and MFU, and keeps the history."""
 
-    def __init__(self, run: Setup, peak: float, sink: MetricsLog):
+    def __init__(self, run: Run, peak: float, sink: MetricsLog):
         self.run, self.peak, self.sink = run, peak, sink
         self.history: list[dict[str, Any]] = []
         self.train_time, self.trained_steps = 0.0, 0

@@ -39,10 +39,15 @@ def tensorboard_writer_class() -> type:
         from tensorboardX import SummaryWriter
     except ImportError:
         raise MetricsError(
-            "train.tensorboard_dir is set, but tensorboardX is not installed: pip install 'jaxtrain[tensorboard]' "
-            "(or pip install tensorboardX), or leave train.tensorboard_dir empty."
+            "tracking.tensorboard_dir is set, but tensorboardX is not installed: pip install 'jaxtrain[tensorboard]' "
+            "(or pip install tensorboardX), or leave tracking.tensorboard_dir empty."
         ) from None
     return SummaryWriter
+
+
+# The default progress stream: sys.stderr as it is when a log is made, not when this module was imported (a
+# default of sys.stderr itself would keep a stream that tests, or a caller redirecting stderr, have since closed).
+STDERR = object()
 
 
 class MetricsLog:
@@ -57,7 +62,7 @@ class MetricsLog:
         path: str | None,
         total_steps: int,
         progress: bool = True,
-        stream: TextIO | None = sys.stderr,
+        stream: TextIO | None | object = STDERR,
         tensorboard_dir: str | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
         run: str = "",
@@ -73,6 +78,7 @@ class MetricsLog:
         self._open(start)
         self.on_record = on_record
         self.wandb = wandb
+        stream = sys.stderr if stream is STDERR else stream
         self.stream = stream
         self.bar = (
             tqdm(total=total_steps, initial=start, file=stream, unit="step", dynamic_ncols=True)
@@ -144,10 +150,10 @@ def check_outputs(path: str | None, tensorboard_dir: str | None, run: str) -> No
     nothing is changed."""
     if path and Path(path).is_dir():
         raise MetricsError(
-            f"train.metrics_file={path} is a directory: give the path of a file, e.g. {path}/metrics.jsonl."
+            f"tracking.metrics_file={path} is a directory: give the path of a file, e.g. {path}/metrics.jsonl."
         )
     if tensorboard_dir and Path(tensorboard_dir).exists() and not Path(tensorboard_dir).is_dir():
-        raise MetricsError(f"train.tensorboard_dir={tensorboard_dir} is a file: give the path of a directory.")
+        raise MetricsError(f"tracking.tensorboard_dir={tensorboard_dir} is a file: give the path of a directory.")
     others = [record for _, record in _rows(Path(path))] if path and Path(path).is_file() else []
     others = [record for record in others if record.get("run") != run]
     if others:
@@ -161,7 +167,7 @@ def check_outputs(path: str | None, tensorboard_dir: str | None, run: str) -> No
     foreign = [f for f in _event_files(Path(tensorboard_dir)) if _event_run(f) != run] if tensorboard_dir else []
     if foreign:
         raise MetricsError(
-            f"train.tensorboard_dir {tensorboard_dir} holds event files of another run ({foreign[0].name}"
+            f"tracking.tensorboard_dir {tensorboard_dir} holds event files of another run ({foreign[0].name}"
             f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}): give another directory, or move them."
         )
 
@@ -195,7 +201,7 @@ def _rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise MetricsError(
                 f"metrics file {path}, line {number}, is not a metrics record ({line.strip()[:80]!r}): jaxtrain "
-                "appends to its own metrics files only; give train.metrics_file (--metrics-file) another path."
+                "appends to its own metrics files only; give tracking.metrics_file (--metrics-file) another path."
             )
         rows.append((line, record))
     return rows

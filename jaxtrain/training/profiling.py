@@ -1,7 +1,7 @@
 """Profiler traces of chosen training steps, and a device memory profile when a step runs out of memory.
 
-`train.profile_steps = "10:13"` (`--profile-steps 10:13`) traces steps 10, 11 and 12, numbered as the metrics number
-them, with `jax.profiler` into `train.profile_dir` (`--profile-dir`), each step inside a `StepTraceAnnotation` named
+`tracking.profile_steps = "10:13"` (`--profile-steps 10:13`) traces steps 10, 11 and 12, numbered as the metrics number
+them, with `jax.profiler` into `tracking.profile_dir` (`--profile-dir`), each step inside a `StepTraceAnnotation` named
 "train" with its number. Open the directory with TensorBoard's profile plugin (`tensorboard --logdir DIR`) or XProf
 (`xprof DIR`); `jax.profiler.ProfileData.from_file` reads the `.xplane.pb` it holds. The trace waits for the last
 traced step's device work, so the steps' kernels and collectives are in it, not only their dispatch.
@@ -42,7 +42,7 @@ def parse_profile_steps(text: str) -> range | None:
     match = _STEPS.match(text)
     if not match or not 1 <= int(match[1]) < int(match[2]):
         raise ConfigError(
-            f"train.profile_steps={text!r}: expected START:STOP with 1 <= START < STOP, the steps START to STOP - 1 "
+            f"tracking.profile_steps={text!r}: expected START:STOP with 1 <= START < STOP, the steps START to STOP - 1 "
             "as the metrics number them, e.g. 10:13 for steps 10, 11 and 12."
         )
     return range(int(match[1]), int(match[2]))
@@ -53,7 +53,7 @@ def check_profile_settings(profile_steps: str, profile_dir: str) -> range | None
     steps = parse_profile_steps(profile_steps)
     if steps is not None and not profile_dir:
         raise ConfigError(
-            f"train.profile_steps={profile_steps!r} needs train.profile_dir (--profile-dir): the directory the "
+            f"tracking.profile_steps={profile_steps!r} needs tracking.profile_dir (--profile-dir): the directory the "
             "trace is written to."
         )
     return steps

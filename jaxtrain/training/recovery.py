@@ -41,7 +41,7 @@ from jaxtrain.training.checkpoint import (
 )
 from jaxtrain.training.distributed import to_host
 from jaxtrain.training.run_identity import RunIdentityError
-from jaxtrain.training.setup import Setup
+from jaxtrain.training.setup import Run
 
 PyTree = Any
 
@@ -73,7 +73,7 @@ class Progress:
     `data_offset`: batches skipped by rollbacks, so step k trains on batch k + data_offset (a global index, whatever
     the topology). `nonfinite_total`: updates skipped for a non-finite loss or gradient, over the run's whole life.
     `history`: the run's deliberate turns, oldest first, each `run_identity.history_entry` (config changes allowed
-    on resume; the checkpoint a `train.restore` started it from), carried forward by every later checkpoint. `run`:
+    on resume; the checkpoint a `checkpoint.restore` started it from), carried forward by every later checkpoint. `run`:
     the run's name, the fingerprint of the config it started with (`run_identity.fingerprint`), kept through changes.
     """
 
@@ -121,7 +121,7 @@ class SkippedSteps:
 
 
 def save_checkpoint(
-    run: Setup,
+    run: Run,
     checkpoints: Checkpoints,
     state: Any,
     progress: Progress,
@@ -129,16 +129,16 @@ def save_checkpoint(
     extras: Mapping[str, PyTree] | None = None,
     settings: Mapping[str, Any] | None = None,
 ) -> None:
-    """Start an asynchronous save. A failed write stops the run (`checkpoint_failure=stop`) or is logged and the
+    """Start an asynchronous save. A failed write stops the run (`checkpoint.on_failure=stop`) or is logged and the
     next save tries again (`continue`); the final save must succeed either way. With several processes a failed write
     always stops the job: its other processes are waiting for the failed one in Orbax's barriers.
 
     An application saves its `extras` (name -> pytree of arrays; names other than the state's) in the same
     checkpoint, so a kill leaves them in step with the state, and its `settings` in the meta (`resume` reads both)."""
     meta = {**progress.meta(), "config": run_identity.config_json(run.cfg), **_settings_meta(settings)}
-    tree = {**run.plan.state_in_model_order(state), **(extras or {})}
+    tree = {**run.shardings.state_in_model_order(state), **(extras or {})}
     final = progress.step == run.cfg.train.steps
-    stop = run.cfg.train.checkpoint_failure == "stop" or jax.process_count() > 1
+    stop = run.cfg.checkpoint.on_failure == "stop" or jax.process_count() > 1
     for _ in range(2):  # a second try when the failure reported was the previous save's
         try:
             checkpoints.save(progress.step, tree, meta)
@@ -148,13 +148,13 @@ def save_checkpoint(
             this_save = err.step == progress.step
             if stop or (final and this_save):
                 raise
-            log(f"warning: {err} Training continues (checkpoint_failure=continue).")
+            log(f"warning: {err} Training continues (checkpoint.on_failure=continue).")
             if this_save:
                 return
 
 
 def write_run_config(cfg: RunConfig, step: int) -> None:
-    """`<checkpoint_dir>/config.toml`, the resolved config that `--config` reruns, beside the checkpoint just saved
+    """`<checkpoint.dir>/config.toml`, the resolved config that `--config` reruns, beside the checkpoint just saved
     (after it: a run refused or stopped before its first save writes nothing). Process 0 writes it; a failure is
     storage trouble, like a failed save."""
     if jax.process_index() != 0:
@@ -166,7 +166,7 @@ def write_run_config(cfg: RunConfig, step: int) -> None:
 
 
 def roll_back(
-    run: Setup,
+    run: Run,
     checkpoints: Checkpoints | None,
     progress: Progress,
     bad_step: int,
@@ -179,7 +179,7 @@ def roll_back(
     where = f"{limit} non-finite steps in a row (steps {bad_step - limit + 1}-{bad_step})"
     if checkpoints is None:
         raise Diverged(
-            f"{where} and no checkpoint to roll back to. Lower optimizer.learning_rate, set train.checkpoint_dir, "
+            f"{where} and no checkpoint to roll back to. Lower optimizer.learning_rate, set checkpoint.dir, "
             "or set rollback_after=0 to keep skipping."
         )
     checkpoints.wait()
@@ -200,24 +200,24 @@ def roll_back(
         f"warning: {where}: rolled back to the checkpoint of step {back_to}; "
         f"continuing at batch {back_to + progress.data_offset} (the {bad_step - back_to} batches since are skipped)."
     )
-    return run.plan.state_from_model_order(restored)
+    return run.shardings.state_from_model_order(restored)
 
 
 def open_checkpoints(cfg: RunConfig) -> Checkpoints | None:
-    """The run's checkpoint directory, if `train.checkpoint_dir` names one."""
-    t = cfg.train
-    if not t.checkpoint_dir:
+    """The run's checkpoint directory, if `checkpoint.dir` names one."""
+    c = cfg.checkpoint
+    if not c.dir:
         return None
-    return Checkpoints(t.checkpoint_dir, t.checkpoint_every, t.checkpoint_keep, t.checkpoint_keep_every)
+    return Checkpoints(c.dir, c.every, c.keep, c.keep_every)
 
 
 def check_resume(cfg: RunConfig, settings: Mapping[str, Any] | None = None) -> str:
-    """The name of the run `cfg` continues in `train.checkpoint_dir`, or starts. Raises `RunIdentityError` if the
+    """The name of the run `cfg` continues in `checkpoint.dir`, or starts. Raises `RunIdentityError` if the
     newest checkpoint's config (or an application's `settings`, see `save_checkpoint`) makes it another run, and
-    `ConfigError` for an unknown key in `train.allow_config_change`: cheap (only JSON is read), so before anything
+    `ConfigError` for an unknown key in `checkpoint.allow_change`: cheap (only JSON is read), so before anything
     compiles. `initial_state` and `resume` check each checkpoint they try again."""
     run_identity.allowed_changes(cfg)
-    newest = newest_meta(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
+    newest = newest_meta(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
     if newest is None:
         return run_identity.fingerprint(run_identity.config_json(cfg))
     _check_run(*newest, cfg, settings)
@@ -228,7 +228,7 @@ def _check_run(
     step_dir: Path, meta: dict[str, Any], cfg: RunConfig, settings: Mapping[str, Any] | None
 ) -> dict[str, tuple[Any, Any]]:
     """`run_identity.check`, then the application's `settings` against those the checkpoint stores: none may differ
-    (they are not run config keys, so `train.allow_config_change` cannot name them). Returns the allowed changes."""
+    (they are not run config keys, so `checkpoint.allow_change` cannot name them). Returns the allowed changes."""
     changed = run_identity.check(step_dir, meta, cfg)
     stored, now = meta.get("settings", {}), _settings_meta(settings).get("settings", {})
     differ = [name for name in {**stored, **now} if stored.get(name) != now.get(name)]
@@ -250,24 +250,24 @@ def _settings_meta(settings: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"settings": json.loads(json.dumps(dict(settings)))} if settings else {}
 
 
-def initial_state(run: Setup, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> tuple[Any, Progress]:
-    """The newest checkpoint in the run's directory, else `train.restore`, else a fresh init; and where it stands
+def initial_state(run: Run, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> tuple[Any, Progress]:
+    """The newest checkpoint in the run's directory, else `checkpoint.restore`, else a fresh init; and where it stands
     (a new run, also one restored from another's checkpoint, has the fingerprint of its own config for a name)."""
-    plan, cfg = run.plan, run.cfg
+    shardings, cfg = run.shardings, run.cfg
     resumed = resume(run, checkpoints, log) if checkpoints else None
     if resumed is not None:
         return resumed.state, resumed.progress
     new_run = run_identity.fingerprint(run_identity.config_json(cfg))
-    if cfg.train.restore and is_params_export(cfg.train.restore):
+    if cfg.checkpoint.restore and is_params_export(cfg.checkpoint.restore):
         return _fine_tune(run, checkpoints, log), Progress(run=new_run)
-    if cfg.train.restore:
+    if cfg.checkpoint.restore:
         state, progress = _restore_step(run, log)
         return state, dataclasses.replace(progress, run=new_run)
-    return plan.init_state(run.optimizer, cfg.train.seed), Progress(run=new_run)
+    return shardings.init_state(run.optimizer, cfg.train.seed), Progress(run=new_run)
 
 
 class Resumed(NamedTuple):
-    """A run as its newest checkpoint left it: the train state in the plan's shardings, where it stands, and the
+    """A run as its newest checkpoint left it: the train state in the run's shardings, where it stands, and the
     application's extras (`save_checkpoint`)."""
 
     state: Any
@@ -276,7 +276,7 @@ class Resumed(NamedTuple):
 
 
 def resume(
-    run: Setup,
+    run: Run,
     checkpoints: Checkpoints,
     log: Callable[[str], None],
     extras: Mapping[str, PyTree] | None = None,
@@ -292,11 +292,11 @@ def resume(
     tree, meta = found
     saved = {name: tree.pop(name) for name in extras or {}}
     progress = _resumed(run.cfg, Progress.from_meta(meta), changed, log)
-    return Resumed(run.plan.state_from_model_order(tree), progress, saved)
+    return Resumed(run.shardings.state_from_model_order(tree), progress, saved)
 
 
 def _restore_latest(
-    run: Setup,
+    run: Run,
     checkpoints: Checkpoints,
     extras: Mapping[str, PyTree] | None = None,
     settings: Mapping[str, Any] | None = None,
@@ -311,7 +311,7 @@ def _restore_latest(
         changed.update(_check_run(step_dir, meta, run.cfg, settings))
 
     try:
-        return checkpoints.restore_latest({**run.plan.abstract_model_state(), **(extras or {})}, accept), changed
+        return checkpoints.restore_latest({**run.shardings.abstract_model_state(), **(extras or {})}, accept), changed
     except CheckpointMismatchError as err:
         raise run_identity.does_not_fit(checkpoints.directory, err) from err
 
@@ -321,7 +321,7 @@ def _resumed(cfg: RunConfig, progress: Progress, changed: dict[str, tuple], log:
     if changed:
         progress.history.append(run_identity.history_entry(progress.step, changed))
         log(
-            f"resuming at step {progress.step} with changes train.allow_config_change allows: "
+            f"resuming at step {progress.step} with changes checkpoint.allow_change allows: "
             f"{run_identity.describe_changes(changed)} (recorded in the run's history)"
         )
     else:
@@ -330,32 +330,33 @@ def _resumed(cfg: RunConfig, progress: Progress, changed: dict[str, tuple], log:
         k for k in run_identity.allowed_changes(cfg) - changed.keys() if run_identity.defines_trajectory(k)
     )
     if unchanged:
-        log(f"note: train.allow_config_change names {', '.join(unchanged)}, equal to the checkpoint's")
+        log(f"note: checkpoint.allow_change names {', '.join(unchanged)}, equal to the checkpoint's")
     return progress
 
 
-def _restore_step(run: Setup, log: Callable[[str], None]) -> tuple[Any, Progress]:
-    """The state and progress of the training checkpoint at `train.restore` (another run's step directory), as a new
-    run's start: its history records where it came from and the config keys it changes."""
-    source = Path(run.cfg.train.restore).absolute()
-    state, meta = restore(source, run.plan.abstract_model_state())
+def _restore_step(run: Run, log: Callable[[str], None]) -> tuple[Any, Progress]:
+    """The state and progress of the training checkpoint at `checkpoint.restore` (another run's step directory), as a
+    new run's start: its history records where it came from and the config keys it changes."""
+    source = Path(run.cfg.checkpoint.restore).absolute()
+    state, meta = restore(source, run.shardings.abstract_model_state())
     progress = Progress.from_meta(meta)
     changed = run_identity.differences(meta.get("config", {}), run.cfg)
     progress.history.append(run_identity.history_entry(progress.step, changed, restored_from=str(source)))
     also = f", changing {run_identity.describe_changes(changed)}" if changed else ""
     log(f"starting a new run from step {progress.step} of {source}{also}")
-    return run.plan.state_from_model_order(state), progress
+    return run.shardings.state_from_model_order(state), progress
 
 
-def _fine_tune(run: Setup, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> Any:
-    """A fresh optimizer state at step 0 around the params of the export at `train.restore`; the files the export
+def _fine_tune(run: Run, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> Any:
+    """A fresh optimizer state at step 0 around the params of the export at `checkpoint.restore`; the files the export
     carries (an import's tokenizer) are copied into the run directory, so its checkpoints keep them."""
-    plan = run.plan
-    params, meta = restore_params(run.cfg.train.restore, plan.abstract_model_state()["params"])
-    log(f"starting from the params of step {meta['step']} exported at {run.cfg.train.restore}, with a new optimizer")
+    shardings = run.shardings
+    params, meta = restore_params(run.cfg.checkpoint.restore, shardings.abstract_model_state()["params"])
+    source = run.cfg.checkpoint.restore
+    log(f"starting from the params of step {meta['step']} exported at {source}, with a new optimizer")
     if checkpoints is not None:
-        carry_into(Path(run.cfg.train.restore).absolute(), checkpoints.directory)
-    return plan.init_state(run.optimizer, run.cfg.train.seed, params)
+        carry_into(Path(run.cfg.checkpoint.restore).absolute(), checkpoints.directory)
+    return shardings.init_state(run.optimizer, run.cfg.train.seed, params)
 
 
 class StopRequest:

@@ -1,12 +1,12 @@
 """What makes the checkpoints in a directory one run: the config keys that define its trajectory, compared on resume
-with the config its checkpoint stores, and the record of deliberate changes (`train.allow_config_change`).
+with the config its checkpoint stores, and the record of deliberate changes (`checkpoint.allow_change`).
 
 A run's trajectory, the params and losses step after step, is fixed by its model (`model_name`, `model.*`), the
 optimizer and its schedule (`optimizer.*`, and `train.steps`, which sets the schedule's length), the data
-(`data.*`: source, batch, sequence length, validation split, partition), the seed, and the update policy (`train.sync`,
-`sync_every`, `staleness`, `outer_lr`, `outer_momentum`, and `grad_compression`, whose bf16 messages change the
-gradient). Resuming with one of them changed would continue a different run under the old one's name, so it is
-refused unless named in `train.allow_config_change`.
+(`data.*`: source, batch, sequence length, validation split, partition), the seed, the update policy (`updates.*`),
+the engine (`engine.*`) and `allreduce.compression`, whose bf16 messages change the gradient). Resuming with one
+of them changed would continue a different run under the old one's name, so it is refused unless named in
+`checkpoint.allow_change`.
 
 Everything else says how a step is executed or what is written, and may change freely: the mesh and device and
 process counts, the sharding rules, `model.remat`, gradient accumulation and the pipeline's schedule, microbatches,
@@ -24,7 +24,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.run_config import RunConfig, resolve_key
+from jaxtrain.run_config import (
+    CheckpointConfig,
+    PipelineConfig,
+    RunConfig,
+    TrackingConfig,
+    resolve_key,
+    translated,
+)
 from jaxtrain.training.checkpoint import CheckpointError
 
 # Keys that may differ between a checkpoint and the run resuming from it (any `rules.*` too): see the module's doc.
@@ -33,40 +40,15 @@ FREE_KEYS = frozenset(
         "mesh",
         "model.remat",
         "data.prefetch",
-        *(
-            f"train.{name}"
-            for name in (
-                "grad_accum",
-                "grad_sync",
-                "grad_bucket_mb",
-                "ps_servers",
-                "schedule",
-                "microbatches",
-                "virtual_stages",
-                "stage_balance",
-                "pipeline_stash",
-                "checkpoint_dir",
-                "checkpoint_every",
-                "checkpoint_keep",
-                "checkpoint_keep_every",
-                "restore",
-                "allow_config_change",
-                "checkpoint_failure",
-                "rollback_after",
-                "log_every",
-                "eval_every",
-                "eval_batches",
-                "metrics_file",
-                "tensorboard_dir",
-                "wandb_project",
-                "wandb_mode",
-                "wandb_dir",
-                "profile_steps",
-                "profile_dir",
-                "progress",
-                "verbose",
-            )
-        ),
+        *(f"train.{name}" for name in ("grad_accum", "rollback_after", "log_every", "eval_every", "eval_batches")),
+        "train.progress",
+        "train.verbose",
+        "allreduce.algorithm",
+        "allreduce.bucket_mb",
+        "allreduce.hubs",
+        *(f"pipeline.{f.name}" for f in dataclasses.fields(PipelineConfig)),
+        *(f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointConfig)),
+        *(f"tracking.{f.name}" for f in dataclasses.fields(TrackingConfig)),
     }
 )
 
@@ -83,7 +65,7 @@ def config_json(cfg: RunConfig) -> dict[str, Any]:
 def fingerprint(config: dict[str, Any]) -> str:
     """A short name of the trajectory `config` (a checkpoint's stored config, or `config_json(cfg)`) defines: a
     hash of its trajectory keys, so a run and every rerun of it share it (metrics rows carry it: `metrics`)."""
-    keys = {key: value for key, value in _flat(config).items() if defines_trajectory(key)}
+    keys = {key: value for key, value in _stored_flat(config).items() if defines_trajectory(key)}
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -93,9 +75,10 @@ def defines_trajectory(key: str) -> bool:
 
 
 def allowed_changes(cfg: RunConfig) -> frozenset[str]:
-    """The dotted keys `train.allow_config_change` names (short names resolved as overrides are: `learning_rate`
+    """The dotted keys `checkpoint.allow_change` names (short names resolved as overrides are: `learning_rate`
     -> `optimizer.learning_rate`); an unknown key is a `ConfigError` listing close matches."""
-    names = [name.strip() for name in cfg.train.allow_config_change.split(",") if name.strip()]
+    given = [name.strip() for name in cfg.checkpoint.allow_change.split(",") if name.strip()]
+    names = [translated(name, None, None, cfg)[0] for name in given]
     return frozenset(
         name if name in ("model_name", "mesh") or name.startswith("rules.") else ".".join(resolve_key(cfg, name))
         for name in names
@@ -104,8 +87,9 @@ def allowed_changes(cfg: RunConfig) -> frozenset[str]:
 
 def differences(stored: dict[str, Any], cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
     """The trajectory keys whose value in `stored` (a checkpoint's config) differs from `cfg`'s: key -> (stored,
-    now). A key the checkpoint does not store (added to jaxtrain after it was written) is not compared."""
-    before, now = _flat(stored), _flat(config_json(cfg))
+    now). A key the checkpoint does not store (added to jaxtrain after it was written) is not compared; a key renamed
+    since (`run_config.RENAMED`) is compared under its new name."""
+    before, now = _stored_flat(stored), _flat(config_json(cfg))
     return {
         key: (before[key], value)
         for key, value in now.items()
@@ -153,6 +137,12 @@ def history_entry(step: int, changed: dict[str, tuple[Any, Any]], **extra: Any) 
 
 def describe_changes(changed: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{key} {json.dumps(old)} -> {json.dumps(new)}" for key, (old, new) in changed.items())
+
+
+def _stored_flat(stored: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's stored config, flat, with the keys (and values) renamed since it was written translated
+    silently: a checkpoint of an earlier version resumes with an unchanged command."""
+    return dict(translated(key, value, None) for key, value in _flat(stored).items())
 
 
 def _flat(config: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""One writer per checkpoint directory: a run holds `jaxtrain.lock` in its `train.checkpoint_dir` from start to exit
+"""One writer per checkpoint directory: a run holds `jaxtrain.lock` in its `checkpoint.dir` from start to exit
 (process 0 of a multi-process job, once for all of them), and a second run is refused at start, naming the holder.
 
 The lock is flock(2) on that file. The kernel drops it when the holder ends, however it ends (kill -9 included), so on
@@ -119,7 +119,7 @@ def holding(directory: str, log: Callable[[str], None] = print) -> Iterator[None
         return
     if lock.path.parent.exists() and not lock.path.parent.is_dir():  # every process sees it: all stop alike
         raise CheckpointError(
-            f"train.checkpoint_dir={directory} is a file, not a directory: give the path of a directory (it is created "
+            f"checkpoint.dir={directory} is a file, not a directory: give the path of a directory (it is created "
             "if missing)."
         )
     failure: Exception | None = None

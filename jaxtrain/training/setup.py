@@ -1,4 +1,4 @@
-"""A run, built: mesh -> rules -> model -> plan -> data -> the step, composed here and nowhere else.
+"""A run, built: mesh -> rules -> model -> shardings -> data -> the step, composed here and nowhere else.
 
 >>> from jaxtrain.run_config import apply_overrides, default_config
 >>> run = build(apply_overrides(default_config("gpt-tiny"), ["mesh=data=2,tensor=2"]))  # doctest: +SKIP
@@ -28,6 +28,7 @@ from jaxtrain.data.datasets import (
     make_dataset,
     model_data_args,
 )
+from jaxtrain.data.tokens import token_vocab
 from jaxtrain.formatting import fmt_bytes
 from jaxtrain.ops.sequence import zigzag_order
 from jaxtrain.parallel.grad_sync import GradientSync
@@ -36,8 +37,8 @@ from jaxtrain.parallel.step import GradFn, accumulate_gradients, eval_step, repl
 from jaxtrain.parallel.updates import UpdatePolicy, local_step, stale_step
 from jaxtrain.placement.model import ModelParts
 from jaxtrain.placement.place import PlacedModel, place_model
-from jaxtrain.placement.plan import Plan
-from jaxtrain.run_config import ConfigError, RunConfig
+from jaxtrain.placement.shardings import Shardings
+from jaxtrain.run_config import ConfigError, RunConfig, default_config
 from jaxtrain.sharding.mesh import describe_mesh
 from jaxtrain.sharding.rules import ShardingRules
 from jaxtrain.training.distributed import describe_processes
@@ -47,13 +48,13 @@ StepFn = Callable[[dict[str, Any], dict[str, jax.Array]], tuple[dict[str, Any], 
 
 
 @dataclasses.dataclass
-class Setup:
-    """Everything a loop needs, built once: the plan, the step functions (compiled on first use), data, and the
+class Run:
+    """Everything a loop needs, built once: the shardings, the step functions (compiled on first use), data, and the
     step's model FLOPs."""
 
     cfg: RunConfig
     placed: PlacedModel  # the model on the mesh, with its rules: what generation and the examples build on
-    plan: Plan
+    shardings: Shardings
     dataset: Dataset
     optimizer: Any
     grad_fn: GradFn  # ((loss, metrics), grads) of params on a global batch, as the train step computes them
@@ -71,7 +72,7 @@ class Setup:
         if train_flops is not None:
             return train_flops(self.cfg.data.batch_size, self.tokens_per_step // self.cfg.data.batch_size)
         cost = self.train_step.cost_analysis() or {}
-        return float(cost.get("flops", 0.0)) * self.plan.mesh.size
+        return float(cost.get("flops", 0.0)) * self.shardings.mesh.size
 
     def data_metrics(self, step: int) -> dict[str, float]:
         """What the dataset reports of training steps [0, step) (a mixture: tokens drawn per source), if anything."""
@@ -86,26 +87,26 @@ class Setup:
         return {k: v.sharding for k, v in self._abstract_batch(self.cfg.train.grad_accum).items()}
 
     def _abstract_batch(self, grad_accum: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
-        return self.plan.abstract_batch(self.dataset.shapes(self.cfg.data.batch_size), grad_accum)
+        return self.shardings.abstract_batch(self.dataset.shapes(self.cfg.data.batch_size), grad_accum)
 
     @functools.cached_property
     def train_step(self) -> jax.stages.Compiled:
         """The compiled optimizer step; the state argument is donated."""
-        plan = self.plan
-        return plan.compile(
+        shardings = self.shardings
+        return shardings.compile(
             self.step_fn,
-            plan.abstract_state,
+            shardings.abstract_state,
             self._abstract_batch(self.cfg.train.grad_accum),
-            out_shardings=(plan.state_shardings, plan.replicated),
+            out_shardings=(shardings.state_shardings, shardings.replicated),
         )
 
     @functools.cached_property
     def compiled_grad(self) -> jax.stages.Compiled:
         """`grad_fn` compiled: (params, batch) -> ((loss, metrics), grads), for inspection and tests."""
-        plan = self.plan
-        return plan.compile(
+        shardings = self.shardings
+        return shardings.compile(
             self.grad_fn,
-            plan.abstract_state["params"],
+            shardings.abstract_state["params"],
             self._abstract_batch(self.cfg.train.grad_accum),
             donate_state=False,
         )
@@ -113,14 +114,14 @@ class Setup:
     @functools.cached_property
     def compiled_eval(self) -> jax.stages.Compiled:
         """Loss and metrics on a batch, without updating."""
-        plan = self.plan
-        loss_fn = self.pipeline.loss(plan.model.loss_fn) if self.pipeline else plan.model.loss_fn
-        return plan.compile(
+        shardings = self.shardings
+        loss_fn = self.pipeline.loss(shardings.model.loss_fn) if self.pipeline else shardings.model.loss_fn
+        return shardings.compile(
             functools.partial(eval_step, loss_fn=loss_fn),
-            plan.abstract_state["params"],
+            shardings.abstract_state["params"],
             self._abstract_batch(),
             donate_state=False,
-            out_shardings=plan.replicated,
+            out_shardings=shardings.replicated,
         )
 
 
@@ -129,8 +130,8 @@ def setup(
     log: Callable[[str], None] = print,
     devices: Sequence[jax.Device] | None = None,
     dataset: Dataset | None = None,
-) -> Setup:
-    """Build mesh, rules, plan and data, and compile the train step (nothing runs yet).
+) -> Run:
+    """Build mesh, rules, shardings and data, and compile the train step (nothing runs yet).
 
     `devices`: the devices the mesh spans (default: all of them). `dataset`: your own data (a `Dataset`, e.g.
     `TokenWindows` of token ids in memory) instead of `cfg.data.source`. The preflight it logs is a few lines; with
@@ -142,16 +143,16 @@ def setup(
     return run
 
 
-def communication(run: Setup) -> str:
+def communication(run: Run) -> str:
     """The bytes each device sends per step, from the compiled train step, beside the analytic model of an explicit
     gradient synchronisation when one is chosen."""
-    expected = run.grad_sync.expected(run.plan.param_bytes()) if run.grad_sync else ()
-    return communication_report(run.train_step, run.plan.mesh).format(expected)
+    expected = run.grad_sync.expected(run.shardings.param_bytes()) if run.grad_sync else ()
+    return communication_report(run.train_step, run.shardings.mesh).format(expected)
 
 
-def communication_summary(run: Setup) -> str:
+def communication_summary(run: Run) -> str:
     """One line: the mean bytes a device sends per step, in all and over each set of mesh axes."""
-    report = communication_report(run.train_step, run.plan.mesh)
+    report = communication_report(run.train_step, run.shardings.mesh)
     by_axes = collections.Counter()
     for row in report.rows:
         by_axes["+".join(row.axes) or "-"] += row.mean
@@ -161,13 +162,28 @@ def communication_summary(run: Setup) -> str:
     )
 
 
+def with_data_vocab(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the model's vocab_size set by its tokenized data (`data.source=tokens`: the tokenizer's size,
+    padded to a multiple of 128) where the model has its preset's vocab_size; a vocab_size set to another value is
+    kept (the dataset checks that it is enough). Reads the data's manifests, so it is a step of opening the data,
+    not of resolving the config (`load_config` reads no file but the one it is given): training (`train`, `build`),
+    the planner (`estimate`), the command line and the Ray engine call it, and calling it again changes nothing."""
+    d = cfg.data
+    vocab = token_vocab(d.source, d.path, d.mixture)
+    preset = getattr(default_config(cfg.model_name).model, "vocab_size", None)
+    if vocab is None or preset is None or cfg.model.vocab_size != preset or vocab == preset:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+
+
 def build(
     cfg: RunConfig,
     log: Callable[[str], None] = print,
     devices: Sequence[jax.Device] | None = None,
     dataset: Dataset | None = None,
-) -> Setup:
+) -> Run:
     """Like `setup`, but compiles nothing: steps compile when first used."""
+    cfg = with_data_vocab(cfg)
     placed = place_model(cfg.model_name, cfg.model, cfg.mesh, cfg.rules, devices=devices)
     spec, mesh, rules, model = placed.spec, placed.mesh, placed.rules, placed.model
     if jax.process_count() > 1:
@@ -188,20 +204,22 @@ def build(
     if pipeline and verbose:
         log(pipeline.describe())
     policy = update_policy(cfg, mesh)
-    plan = placed.plan(optimizer, pipeline.layout if pipeline else None, policy)
-    log(plan.table() if verbose else f"{plan.totals()} (--verbose or train.verbose=true: the full tables)")
+    shardings = placed.shardings(optimizer, pipeline.layout if pipeline else None, policy)
+    log(shardings.table() if verbose else f"{shardings.totals()} (--verbose or train.verbose=true: the full tables)")
     # Check the batch divides over the devices before anything compiles.
-    plan.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
+    shardings.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
 
-    sync = _gradient_sync(cfg, plan)
-    grad_fn, step_fn = compose_step(cfg, plan, pipeline, sync, policy, optimizer, schedule)
+    sync = _gradient_sync(cfg, shardings)
+    grad_fn, step_fn = compose_step(cfg, shardings, pipeline, sync, policy, optimizer, schedule)
     seq_len = cfg.data.seq_len if spec.task == "lm" else 1
-    return Setup(cfg, placed, plan, dataset, optimizer, grad_fn, step_fn, cfg.data.batch_size * seq_len, pipeline, sync)
+    return Run(
+        cfg, placed, shardings, dataset, optimizer, grad_fn, step_fn, cfg.data.batch_size * seq_len, pipeline, sync
+    )
 
 
 def compose_step(
     cfg: RunConfig,
-    plan: Plan,
+    shardings: Shardings,
     pipeline: Pipeline | None,
     sync: GradientSync | None,
     policy: UpdatePolicy,
@@ -210,21 +228,21 @@ def compose_step(
 ) -> tuple[GradFn, StepFn]:
     """The train step, composed here and nowhere else: the gradient, accumulated, synchronised, under an update
     policy, through the update core. Returns the gradient function (params, batch) -> ((loss, metrics), grads) and
-    the step (state, batch) -> (state, metrics), both pure and uncompiled (`Plan.compile` compiles them)."""
-    t, mesh, loss_fn = cfg.train, plan.mesh, plan.model.loss_fn
+    the step (state, batch) -> (state, metrics), both pure and uncompiled (`Shardings.compile` compiles them)."""
+    t, mesh, loss_fn = cfg.train, shardings.mesh, shardings.model.loss_fn
     # 1. The gradient of the model's loss on one piece of the batch, through the pipeline schedule if there is one.
     grad_fn = pipeline.value_and_grad(loss_fn) if pipeline else jax.value_and_grad(loss_fn, has_aux=True)
     # 2. Accumulation: the batch's `grad_accum` pieces one after another, averaged (nothing added for one piece).
     grad_fn = accumulate_gradients(grad_fn, t.grad_accum)
     # 3. Gradient sync. `xla`: nothing added; the shardings make XLA reduce each gradient where it is formed.
-    if t.grad_sync == "fused":  # one all-reduce of loss, metrics and the whole gradient, after accumulation
-        grad_fn = replica_gradients(grad_fn, mesh, plan.rules.batch_axes())
-    elif sync is not None:  # an explicit algorithm (ring, hierarchical, parameter server) averages the gradient
+    if cfg.allreduce.algorithm == "fused":  # one all-reduce of loss, metrics and the whole gradient, after accumulation
+        grad_fn = replica_gradients(grad_fn, mesh, shardings.rules.batch_axes())
+    elif sync is not None:  # an explicit algorithm (ring, hierarchical, star) averages the gradient
         grad_fn = replica_gradients(grad_fn, mesh, sync.axes, sync.mean)
     # 4. The update policy chooses the step; 5. every step updates through the update core, `step.apply_update`.
     common = {"grad_fn": grad_fn, "optimizer": optimizer, "schedule": schedule}
-    if policy.is_local:  # local_sgd, diloco: each replica steps alone; every `sync_every` steps, an outer step
-        outer = {"outer": policy.outer_optimizer(), "sync_every": policy.sync_every, "total_steps": t.steps}
+    if policy.is_local:  # local_sgd, diloco: each replica steps alone; every `average_every` steps, an outer step
+        outer = {"outer": policy.outer_optimizer(), "average_every": policy.average_every, "total_steps": t.steps}
         return grad_fn, functools.partial(local_step, **common, **outer, mesh=mesh)
     if policy.name == "stale":  # the gradient of `staleness` steps ago is applied
         return grad_fn, functools.partial(stale_step, **common, staleness=policy.staleness)
@@ -246,17 +264,19 @@ def _check_sequence_split(cfg: RunConfig, mesh: Mesh, rules: ShardingRules, task
 
 
 def update_policy(cfg: RunConfig, mesh: Mesh | AbstractMesh) -> UpdatePolicy:
-    """The update policy `cfg.train` names, checked against the mesh and the gradient sync: training and the
+    """The update policy `cfg.updates` names, checked against the mesh and the gradient sync: training and the
     planner both lay out the state it adds."""
-    t = cfg.train
-    policy = UpdatePolicy(t.sync, t.sync_every, t.staleness, t.outer_lr, t.outer_momentum)
+    u, algorithm = cfg.updates, cfg.allreduce.algorithm
+    policy = UpdatePolicy(u.policy, u.average_every, u.staleness, u.outer_lr, u.outer_momentum)
     policy.check_mesh(mesh)
     if policy.name != "synchronous" and mesh.shape["pipeline"] > 1:
-        raise ConfigError(f"train.sync={t.sync} with a pipeline axis is not supported yet: use sync=synchronous.")
-    if policy.is_local and t.grad_sync != "xla":
         raise ConfigError(
-            f"train.grad_sync={t.grad_sync} averages every step's gradient over all replicas, which train.sync="
-            f"{t.sync} exists to avoid: inside each replica XLA reduces the gradient; use grad_sync=xla."
+            f"updates.policy={u.policy} with a pipeline axis is not supported yet: use updates.policy=synchronous."
+        )
+    if policy.is_local and algorithm != "xla":
+        raise ConfigError(
+            f"allreduce.algorithm={algorithm} averages every step's gradient over all replicas, which updates.policy="
+            f"{u.policy} exists to avoid: inside each replica XLA reduces the gradient; use allreduce.algorithm=xla."
         )
     return policy
 
@@ -283,7 +303,7 @@ def _pipeline(cfg: RunConfig, mesh: Mesh, model: ModelParts, shapes: dict) -> Pi
     """The pipeline schedule and stage layout when the mesh has a pipeline axis; None otherwise."""
     if mesh.shape["pipeline"] == 1:
         return None
-    accum = cfg.train.grad_accum
+    accum, p = cfg.train.grad_accum, cfg.pipeline
     per_step = {k: jax.ShapeDtypeStruct((s.shape[0] // accum, *s.shape[1:]), s.dtype) for k, s in shapes.items()}
     return make_pipeline(
         mesh,
@@ -291,37 +311,43 @@ def _pipeline(cfg: RunConfig, mesh: Mesh, model: ModelParts, shapes: dict) -> Pi
         model.logical_names,
         model.abstract_params,
         per_step,
-        schedule=cfg.train.schedule,
-        microbatches=cfg.train.microbatches,
-        virtual=cfg.train.virtual_stages,
-        balance=cfg.train.stage_balance,
-        stash=cfg.train.pipeline_stash,
+        schedule=p.schedule,
+        microbatches=p.microbatches,
+        virtual=p.virtual_stages,
+        balance=p.balance,
+        stash=p.stash,
     )
 
 
-def _gradient_sync(cfg: RunConfig, plan: Plan) -> GradientSync | None:
-    """The explicit synchronisation algorithm `train.grad_sync` names, over the mesh's data-parallel axes; None for
-    XLA's own reduction and for the fused all-reduce. Any but XLA's needs pure data parallelism."""
-    t = cfg.train
-    if t.grad_sync == "xla":
+def _gradient_sync(cfg: RunConfig, shardings: Shardings) -> GradientSync | None:
+    """The explicit synchronisation algorithm `allreduce.algorithm` names, over the mesh's data-parallel axes; None
+    for XLA's own reduction and for the fused all-reduce. Any but XLA's needs pure data parallelism."""
+    a = cfg.allreduce
+    if a.algorithm == "xla":
         return None
-    _check_pure_data_parallel(cfg, plan)
-    if t.grad_sync == "fused":
+    _check_pure_data_parallel(cfg, shardings)
+    if a.algorithm == "fused":
         return None
     # In mesh order, whatever the order of the batch rule: ppermute over several axes requires it.
-    axes = tuple(a for a in plan.mesh.axis_names if a in plan.rules.batch_axes() and plan.mesh.shape[a] > 1)
-    bucket = int(t.grad_bucket_mb * 2**20)
-    return GradientSync(t.grad_sync, axes, dict(plan.mesh.shape), bucket, t.ps_servers, t.grad_compression)
+    axes = tuple(
+        axis
+        for axis in shardings.mesh.axis_names
+        if axis in shardings.rules.batch_axes() and shardings.mesh.shape[axis] > 1
+    )
+    bucket = int(a.bucket_mb * 2**20)
+    return GradientSync(a.algorithm, axes, dict(shardings.mesh.shape), bucket, a.hubs, a.compression)
 
 
-def _check_pure_data_parallel(cfg: RunConfig, plan: Plan) -> None:
-    if plan.is_pure_data_parallel():
+def _check_pure_data_parallel(cfg: RunConfig, shardings: Shardings) -> None:
+    if shardings.is_pure_data_parallel():
         return
-    used = plan.param_axes()
-    other = [a for a in plan.mesh.axis_names if plan.mesh.shape[a] > 1 and a not in plan.rules.batch_axes()]
+    used = shardings.param_axes()
+    other = [
+        a for a in shardings.mesh.axis_names if shardings.mesh.shape[a] > 1 and a not in shardings.rules.batch_axes()
+    ]
     why = f"parameters are sharded over {', '.join(used)}" if used else f"axes {', '.join(other)} are not data axes"
     raise ConfigError(
-        f"train.grad_sync={cfg.train.grad_sync} averages gradients over data-parallel replicas, each holding every "
-        f"parameter; on mesh '{cfg.mesh}' {why}. Use grad_sync=xla, or a mesh of replica/data axes only (for "
-        "fsdp, replicate the weights with rules.params.embed=)."
+        f"allreduce.algorithm={cfg.allreduce.algorithm} averages gradients over data-parallel replicas, each holding "
+        f"every parameter; on mesh '{cfg.mesh}' {why}. Use allreduce.algorithm=xla, or a mesh of replica/data "
+        "axes only (for fsdp, replicate the weights with rules.params.embed=)."
     )

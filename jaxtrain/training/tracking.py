@@ -1,8 +1,9 @@
-"""Weights & Biases as a metrics sink, beside the JSONL file and TensorBoard (`train.wandb_project`, `--wandb-project`).
+"""Weights & Biases as a metrics sink, beside the JSONL file and TensorBoard (`tracking.wandb_project`,
+`--wandb-project`).
 
 The W&B run's id is the run's fingerprint (`run_identity.fingerprint`), so a resumed run continues the same W&B run;
 its config is the run's resolved config, logged once. Without W&B credentials (`WANDB_API_KEY`, or `wandb login`'s)
-or with `train.wandb_mode=offline` the run is written offline into `<dir>/wandb/offline-run-*`: `wandb sync` on that
+or with `tracking.wandb_mode=offline` the run is written offline into `<dir>/wandb/offline-run-*`: `wandb sync` on that
 directory uploads it later. W&B keeps the first value it is given for a step: after a rollback the JSONL holds the
 trajectory as trained, W&B the values first logged (its own rule). Needs `pip install -e ".[wandb]"`.
 """
@@ -29,8 +30,8 @@ def wandb_module() -> Any:
         import wandb
     except ImportError:
         raise TrackingError(
-            "train.wandb_project is set, but wandb is not installed: pip install 'jaxtrain[wandb]' (or pip install "
-            "wandb), or leave train.wandb_project empty."
+            "tracking.wandb_project is set, but wandb is not installed: pip install 'jaxtrain[wandb]' (or pip install "
+            "wandb), or leave tracking.wandb_project empty."
         ) from None
     return wandb
 
@@ -38,7 +39,7 @@ def wandb_module() -> Any:
 def resolved_mode(mode: str) -> str:
     """`auto`: online where W&B credentials are found, else offline."""
     if mode not in WANDB_MODES:
-        raise TrackingError(f"train.wandb_mode={mode!r}: use one of {', '.join(WANDB_MODES)}.")
+        raise TrackingError(f"tracking.wandb_mode={mode!r}: use one of {', '.join(WANDB_MODES)}.")
     if mode != "auto":
         return mode
     return "online" if os.environ.get("WANDB_API_KEY") or _netrc_has_wandb() else "offline"

@@ -1,4 +1,4 @@
-"""The plan: the one place that turns an abstract state plus sharding rules into shardings and compiled steps.
+"""`Shardings`: the one place that turns an abstract state plus sharding rules into shardings and compiled steps.
 
     abstract params + logical names --(rules, mesh)--> PartitionSpecs --> NamedShardings for the whole train state
     --> sharded init (`jit(init, out_shardings=...)`) and the compiled step (`jit(step, in/out shardings, donate)`).
@@ -22,7 +22,7 @@ from jaxtrain.analysis.memory import device_bytes, total_bytes, tree_device_byte
 from jaxtrain.formatting import fmt_bytes, format_table
 from jaxtrain.parallel.pipeline import StageLayout
 from jaxtrain.parallel.updates import UpdatePolicy
-from jaxtrain.placement.model import ModelParts, PlanError, path_str
+from jaxtrain.placement.model import ModelParts, PlacementError, path_str
 from jaxtrain.sharding.constraints import activation_sharding
 from jaxtrain.sharding.param_state import kept_dims, map_like_params, shardings_like_params
 from jaxtrain.sharding.rules import ShardingRules, is_layer_stack, is_logical_names, logical_to_spec, spec_axes
@@ -31,7 +31,10 @@ PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Shardings:
+    """Where every array of a model's train state lives on a mesh (the state's and a batch's shardings), how the state
+    is initialised there, and the steps compiled with them: what `PlacedModel.shardings` returns."""
+
     mesh: Mesh
     rules: ShardingRules
     model: ModelParts
@@ -73,7 +76,7 @@ class Plan:
         rows_per_piece = shape[0] // grad_accum if shape[0] % grad_accum == 0 else None
         if rows_per_piece is None or rows_per_piece % ways:
             where = ", ".join(f"{a}={self.mesh.shape[a]}" for a in axes)
-            raise PlanError(
+            raise PlacementError(
                 f"global batch size {shape[0]} is not divisible by {grad_accum} accumulation step(s) x {ways} devices "
                 f"on the batch axes ({where or 'none'}). Use a batch size that is a multiple of {grad_accum * ways}."
             )
@@ -113,7 +116,7 @@ class Plan:
         donate_state: bool = True,
         out_shardings: Any = None,
     ) -> jax.stages.Compiled:
-        """Compile `step_fn(state_or_params, batch)` ahead of time under the plan's activation rules.
+        """Compile `step_fn(state_or_params, batch)` ahead of time under these activation rules.
 
         Input shardings are those of `abstract_args` (ShapeDtypeStructs carrying shardings); the first argument is
         donated unless `donate_state=False`.
@@ -144,7 +147,7 @@ class Plan:
         return jax.jit(lambda s: self._state(s, "to_model"))(state)
 
     def state_from_model_order(self, state: PyTree) -> PyTree:
-        """The inverse of `state_in_model_order`, placed in this plan's shardings."""
+        """The inverse of `state_in_model_order`, placed in these shardings."""
         if self._is_identity():
             return jax.device_put(state, self.state_shardings)
         return jax.jit(lambda s: self._state(s, "to_stored"), out_shardings=self.state_shardings)(state)
@@ -233,14 +236,14 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(
+def make_shardings(
     mesh: Mesh,
     rules: ShardingRules,
     model: ModelParts,
     optimizer: optax.GradientTransformation,
     layout: StageLayout | None = None,
     policy: UpdatePolicy | None = None,
-) -> Plan:
+) -> Shardings:
     """Shardings for params (from their logical names) and optimizer state (like the params they belong to).
 
     `layout`: under pipeline parallelism, the stacked `layers` dim is stored as `layout` says (padded stages).
@@ -282,7 +285,7 @@ def make_plan(
         {**state, **extra},
         {**state_shardings, **extra_shardings},
     )
-    return Plan(mesh, rules, model, param_specs, abstract_state, layout, state_optimizer, policy)
+    return Shardings(mesh, rules, model, param_specs, abstract_state, layout, state_optimizer, policy)
 
 
 def _policy_state(
@@ -306,9 +309,9 @@ def _policy_state(
             try:
                 policy.extra_state({"p": param}, {"p": sharding}, optimizer, mesh)
             except Exception:
-                raise PlanError(
+                raise PlacementError(
                     f"parameter '{path_str(path)}' ({_spec_origin(names, sharding.spec, rules)}): the state "
-                    f"train.sync={policy.name} adds for it has a sharding JAX refuses: {str(err).rstrip('.')}. "
+                    f"updates.policy={policy.name} adds for it has a sharding JAX refuses: {str(err).rstrip('.')}. "
                     "Change one of those rules."
                 ) from err
         raise

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import jax
 import numpy as np
 import pytest
 
-from jaxtrain.aot.targets import TPU_CHIPS, Target, compile_target, parse_target
+from jaxtrain.aot.targets import TPU_CHIPS, Target, compile_target, installed, parse_target
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.setup import Run, build
 
@@ -41,7 +40,7 @@ def aot_target(name: str, slices: int = 1) -> Target:
     package, extra = (
         ("libtpu", "tpu-aot") if parse_target(name)[0] in TPU_CHIPS else ("jax_plugins.xla_cuda12", "gpu-aot")
     )
-    if importlib.util.find_spec(package) is None:
+    if not installed(package):
         why = f"compiling for {name} needs the {extra} extra: pip install -e '.[{extra}]'"
         if os.environ.get("CI", "").lower() in ("true", "1"):
             pytest.fail(f"{why}; CI installs it", pytrace=False)

@@ -132,10 +132,19 @@ def use_cpu_backend_only() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def installed(module: str) -> bool:
+    """Whether `module` can be imported: `find_spec` of a submodule raises where its parent package is absent
+    (`jax_plugins` without the gpu-aot extra), which means not installed too."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def _tpu_target(name: str, chip_name: str, dims: Sequence[int], slices: int) -> Target:
     from jax.experimental import topologies
 
-    if importlib.util.find_spec("libtpu") is None:
+    if not installed("libtpu"):
         raise TargetError(
             f"compiling for '{name}' needs libtpu, the TPU compiler, which is not installed: "
             "pip install 'jaxtrain[tpu-aot]' (it compiles for TPU topologies without the hardware)."
@@ -165,7 +174,7 @@ def _libtpu_without_a_tpu_vm(chip_name: str, chips: int) -> None:
 def _gpu_target(name: str, chip_name: str, dims: Sequence[int]) -> Target:
     from jax.experimental import topologies
 
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not installed("jax_plugins.xla_cuda12"):
         raise TargetError(
             f"compiling for '{name}' needs the CUDA plugin, which is not installed: pip install 'jaxtrain[gpu-aot]' "
             "(it compiles for NVIDIA GPUs without a GPU or a driver)."

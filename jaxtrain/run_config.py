@@ -407,19 +407,9 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {("allreduce.algorithm", "parameter
 
 
 def _new_short_names() -> set[str]:
-    return {
-        f.name
-        for cls in (
-            TrainConfig,
-            AllReduceConfig,
-            UpdatesConfig,
-            PipelineConfig,
-            CheckpointConfig,
-            TrackingConfig,
-            EngineConfig,
-        )
-        for f in dataclasses.fields(cls)
-    }
+    """The field names of every section but the model's (whose fields depend on the model), from `RunConfig`."""
+    parts = [f.default for f in dataclasses.fields(RunConfig) if f.name in SECTIONS and f.name != "model"]
+    return {f.name for part in parts for f in dataclasses.fields(part)}
 
 
 # Old short names (`grad_sync`, `sync`, `checkpoint_dir`) -> new full keys; a short name that is still a field's

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -95,6 +96,21 @@ def selfplay_settings(args: argparse.Namespace) -> dict[str, int]:
     return {name: getattr(args, name) for name in SETTINGS}
 
 
+def check_flags(args: argparse.Namespace, device_count: int) -> None:
+    """Refuse flags that would run, but not as asked: fewer devices than --devices names, or a replay buffer smaller
+    than one batch (every batch would draw the same positions several times)."""
+    if args.devices is not None and args.devices > device_count:
+        raise jaxtrain.UserInputError(
+            f"--devices {args.devices}: this process has {device_count} devices; give at most {device_count}, or "
+            f"more with --simulated-devices {args.devices}."
+        )
+    if args.capacity < args.batch_size:
+        raise jaxtrain.UserInputError(
+            f"--capacity {args.capacity} is below --batch-size {args.batch_size}: every batch would repeat positions; "
+            f"give --capacity of at least {args.batch_size}."
+        )
+
+
 def train_alphazero(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     """Self-play and learn up to `args.iterations` rounds (resuming from `args.checkpoint_dir`'s newest checkpoint, if
     any), then evaluate. Returns the report: its losses and first self-play moves are those this call played."""
@@ -102,6 +118,7 @@ def train_alphazero(args: argparse.Namespace, log: Callable[[str], None] = print
     import pgx
     from alphazero_app.replay import ReplayBuffer
 
+    check_flags(args, jax.device_count())
     env = pgx.make("connect_four")
     cfg = run_config(args)
     with jaxtrain.run_lock(cfg.checkpoint.dir, log):  # one writer per checkpoint directory
@@ -109,6 +126,7 @@ def train_alphazero(args: argparse.Namespace, log: Callable[[str], None] = print
         run_name = jaxtrain.check_resume(cfg, selfplay_settings(args))
         buffer = ReplayBuffer(env.observation_shape, env.num_actions, args.capacity, args.seed)
         run = jaxtrain.build(cfg, log=lambda *_: None, devices=jax.devices()[: args.devices], dataset=buffer)
+        check_games(args, run)
         with jaxtrain.open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
             learner = Learner(args, run, buffer, checkpoints, run_name, log)
             report = _iterate(args, env, learner, log)
@@ -226,6 +244,21 @@ def _evaluate(args: argparse.Namespace, env, forward, learner: Learner, key) -> 
     }
 
 
+def games_axes(run) -> tuple[str, ...]:
+    """The learner mesh's batch axes of more than one device: self-play splits its games over them."""
+    return tuple(a for a in run.shardings.rules.batch_axes() if run.shardings.mesh.shape[a] > 1)
+
+
+def check_games(args: argparse.Namespace, run) -> None:
+    """Refuse a number of games that does not split evenly over the devices self-play runs on."""
+    splits = math.prod(run.shardings.mesh.shape[a] for a in games_axes(run))
+    if args.games % splits:
+        raise jaxtrain.UserInputError(
+            f"--games {args.games} does not split over the {splits} devices of the mesh's batch axes "
+            f"({', '.join(games_axes(run))}): give a multiple of {splits}."
+        )
+
+
 def _actors(args: argparse.Namespace, env, run) -> tuple:
     """The network as a function of its params, and the jitted self-play of one iteration's games: one program plays
     every game, the games split over the learner mesh's batch axes."""
@@ -239,10 +272,9 @@ def _actors(args: argparse.Namespace, env, run) -> tuple:
     def forward(params, observation):
         return nnx.merge(graphdef, params)(observation)
 
-    games_axes = tuple(a for a in run.shardings.rules.batch_axes() if run.shardings.mesh.shape[a] > 1)
-    per_move = NamedSharding(run.shardings.mesh, PartitionSpec(None, games_axes))
+    per_move = NamedSharding(run.shardings.mesh, PartitionSpec(None, games_axes(run)))
     shardings = {k: per_move for k in ("observation", "policy", "action", "player", "valid")}
-    shardings["outcome"] = NamedSharding(run.shardings.mesh, PartitionSpec(games_axes))
+    shardings["outcome"] = NamedSharding(run.shardings.mesh, PartitionSpec(games_axes(run)))
     play = jax.jit(
         functools.partial(self_play, forward, env, games=args.games, simulations=args.simulations),
         out_shardings=shardings,

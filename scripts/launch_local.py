@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -59,6 +60,14 @@ def _relay(index: int, stream, out) -> None:
 NOT_RESTARTED = {2, 128 + 2, 128 + 15}
 
 
+def describe_exit(code: int) -> str:
+    """How a process ended, as the job's log names it: a process killed by a signal cannot say so itself, and its
+    peers may only see a broken collective (gloo aborts them), so the launcher is the one that can name it."""
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name} (status {code})"
+    return f"exited with status {code}"
+
+
 def launch(processes: int, devices: int, train_args: list[str], grace: float = 60.0) -> tuple[int, list[int]]:
     """Start every process, relay their output, and return the job's exit status and the processes that failed
     first (on their own, before the others were stopped)."""
@@ -79,8 +88,8 @@ def launch(processes: int, devices: int, train_args: list[str], grace: float = 6
         failed = [i for i, p in enumerate(running) if p.poll() not in (None, 0)]
         if failed_at is None and failed:
             failed_at, first = time.monotonic(), failed
-            code = running[failed[0]].returncode
-            print(f"[launch] process {failed[0]} exited with status {code}; the others get {grace:.0f} s", flush=True)
+            ended = describe_exit(running[failed[0]].returncode)
+            print(f"[launch] process {failed[0]} {ended}; the others get {grace:.0f} s", flush=True)
         if failed_at is not None and time.monotonic() - failed_at > grace:
             for p in running:
                 if p.poll() is None:

@@ -104,6 +104,11 @@ CASES = [
     (["comm", *TRAIN[1:], "--batch-size", "0"], "data.batch_size=0: expected an integer >= 1"),
     (["plan", *TRAIN[1:], "--chip", "v5p", "dtype=fp16"], "model.dtype='fp16' is not one of"),
     (["plan", *TRAIN[1:], "--chip", "v5p", "--devices", "0"], "--devices: expected an integer >= 1, got '0'"),
+    (["plan", "--model", "gpt-tiny", "--aot-topology", "v5p:0x4x4"], "'v5p:0x4x4' has a dimension of 0"),  # libtpu: SIGFPE
+    (
+        ["plan", *TRAIN[1:], "--chip", "v5p", "--mesh", "fsdp=-1,tensor=3"],
+        "say how many chips to plan for with --devices",
+    ),
     # Mesh layouts: the file, and the line and column of a syntax error; tables and sizes of the right type.
     ([*TRAIN, "--mesh", "{d}/syntax.toml"], "syntax.toml' is not valid TOML: Invalid value (at line 3, column 8)"),
     ([*TRAIN, "--mesh", "{d}/axes-int.toml"], "`axes` is an integer 8, but must be a table"),
@@ -231,3 +236,26 @@ def test_train_script_reports_an_unforeseen_error_in_one_line(debug):
         assert result.stderr.endswith("error: ZeroDivisionError: planted\n")
     else:
         assert result.stderr == "error: ZeroDivisionError: planted (rerun with --debug for the traceback)\n"
+
+
+# The AlphaZero application's flags (scripts/alphazero.py, on the public API), in this process (8 devices): refused
+# before self-play compiles. Its own small run's flags, then the one wrong value.
+ALPHAZERO = ["--games", "8", "--simulations", "2", "--learner-steps", "1", "--batch-size", "16", "--iterations", "1"]
+ALPHAZERO_CASES = [
+    ([*ALPHAZERO, "--devices", "16"], "--devices 16: this process has 8 devices; give at most 8"),
+    ([*ALPHAZERO, "--capacity", "10"], "--capacity 10 is below --batch-size 16: every batch would repeat positions"),
+    ([*ALPHAZERO, "--games", "6", "--mesh", "data=4", "--devices", "4"], "--games 6 does not split over the 4 devices"),
+]
+
+
+@pytest.mark.parametrize("argv,names", ALPHAZERO_CASES, ids=[" ".join(a[len(ALPHAZERO) :]) for a, _ in ALPHAZERO_CASES])
+def test_a_malformed_alphazero_run_is_one_clear_error(argv, names, capsys, monkeypatch):
+    pytest.importorskip("pgx", reason="self-play needs the rl extra: pip install -e '.[rl]'")
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import alphazero
+
+    played = []
+    monkeypatch.setattr(alphazero, "_iterate", lambda *args: played.append(args) or pytest.fail("self-play ran"))
+    status = alphazero.main(argv)
+    printed = capsys.readouterr().err
+    assert status == 2 and names in printed and len(printed.splitlines()) == 1 and not played, printed

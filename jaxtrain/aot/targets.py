@@ -80,7 +80,12 @@ def parse_target(name: str) -> tuple[str, tuple[int, ...]]:
     if chip_name not in (*TPU_CHIPS, *GPU_CHIPS):
         raise TargetError(f"compile target '{name}': unknown chip '{chip_name}'. Known: {known}.")
     dims = tuple(int(d) for d in shape.split("x"))
-    if chip_name in GPU_CHIPS and (len(dims) > 2 or dims[-1] > _GPUS_PER_HOST or 0 in dims):
+    if 0 in dims:  # libtpu divides by each dimension: a zero kills the process (SIGFPE) instead of raising
+        raise TargetError(
+            f"compile target '{name}' has a dimension of 0: every dimension counts chips or GPUs and is at least 1, "
+            f"e.g. {chip_name}:{'4x4x4' if chip_name in ('v4', 'v5p') else '4x4' if chip_name in TPU_CHIPS else '8'}."
+        )
+    if chip_name in GPU_CHIPS and (len(dims) > 2 or dims[-1] > _GPUS_PER_HOST):
         raise TargetError(
             f"compile target '{name}': a GPU target is <gpus per host> (1-{_GPUS_PER_HOST}) or <hosts>x<gpus per "
             f"host>, e.g. {chip_name}:8 or {chip_name}:2x8."

@@ -10,6 +10,7 @@ import jax
 
 from jaxtrain.analysis.chips import CHIPS, Chip, ChipError, chip, chip_for_device_kind
 from jaxtrain.aot.targets import Target, TargetError
+from jaxtrain.errors import UserInputError
 from jaxtrain.formatting import fmt_bytes, format_table
 from jaxtrain.planner.estimate import USABLE_HBM, Estimate, Memory, estimate, fits_with
 from jaxtrain.planner.hardware import AUTO, target_for
@@ -17,7 +18,7 @@ from jaxtrain.planner.measure import CompilerRefused, Measured, measure
 from jaxtrain.planner.transfers import Transfer, comm_by_axes
 from jaxtrain.registry import resolve_model
 from jaxtrain.run_config import RunConfig
-from jaxtrain.sharding.mesh import parse_layout
+from jaxtrain.sharding.mesh import MeshLayout, parse_layout
 
 
 def plan_report(
@@ -42,13 +43,30 @@ def plan_report(
         est = estimate(cfg, target.chip, len(target.devices), layout)
         return _with_check(est, *_target_check(cfg, est, target))
     if devices is None:
-        fixed = -1 not in layout.axes.values()
-        devices = math.prod([*layout.axes.values(), *layout.dcn_axes.values()]) if fixed else jax.device_count()
+        devices = _layout_devices(cfg.mesh, layout)
     spec = chip(chip_name) if chip_name else chip_for_device_kind(jax.devices()[0].device_kind)
     if spec is None:
         raise ChipError(f"say which chip to plan for with --chip: one of {', '.join(CHIPS)}.")
     est = estimate(cfg, spec, devices, layout)
     return _with_check(est, *_local_check(cfg, est, check))
+
+
+def _layout_devices(name: str, layout: MeshLayout) -> int:
+    """The device count a plan without --devices is for: the layout's own size when every axis is fixed, else this
+    process's devices, which must fill the layout's wildcard axis (planning a pod's layout on a laptop needs
+    --devices: it is not a question about the laptop's one CPU)."""
+    sizes = [*layout.axes.values(), *layout.dcn_axes.values()]
+    fixed = math.prod(size for size in sizes if size != -1)
+    if -1 not in sizes:
+        return fixed
+    if jax.device_count() % fixed:
+        wildcard = next(axis for axis, size in layout.axes.items() if size == -1)
+        raise UserInputError(
+            f"mesh layout '{name}' fills '{wildcard}=-1' from the device count, and this process has "
+            f"{jax.device_count()}, not a multiple of the other axes' {fixed}: say how many chips to plan for with "
+            f"--devices (a multiple of {fixed}), or compile for a target with --aot-topology."
+        )
+    return jax.device_count()
 
 
 def _local_check(cfg: RunConfig, est: Estimate, check: bool) -> tuple[Measured | None, list[str]]:

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -381,12 +380,19 @@ def preemption_requested(request: StopRequest, step: int) -> bool:
         return False
 
 
+def tell(line: str) -> None:
+    """Write `line` to file descriptor 2 from a signal handler: one unbuffered write, because a handler that prints
+    can interrupt a print of the main thread, and Python refuses the nested call into the same buffered stream."""
+    os.write(2, (line + "\n").encode())
+
+
 @contextlib.contextmanager
 def stop_signals() -> Iterator[StopRequest]:
     """Inside, SIGTERM (preemption) and SIGINT (Ctrl-C) ask the loop to finish its step, save and stop
-    (`preemption_requested`); a second Ctrl-C exits at once, status 130, without saving. The handlers are restored
-    after. Only on the main thread. With several processes JAX's preemption notifier owns SIGTERM, and a SIGINT is
-    passed on to it as a SIGTERM, so that every process stops after the same step."""
+    (`preemption_requested`), which the handler says on stderr; a second Ctrl-C exits at once, status 130, without
+    saving. The handlers are restored after. Only on the main thread. With several processes JAX's preemption
+    notifier owns SIGTERM, and a SIGINT is passed on to it as a SIGTERM, so that every process stops after the same
+    step."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request
@@ -395,8 +401,11 @@ def stop_signals() -> Iterator[StopRequest]:
 
     def on_signal(signum: int, _frame: Any) -> None:
         if request.is_set() and signum == signal.SIGINT:
-            print("error: interrupted again: exiting now, without saving", file=sys.stderr, flush=True)
+            tell("error: interrupted again: exiting now, without saving")
             os._exit(128 + signal.SIGINT)
+        if not request.is_set():
+            name = signal.Signals(signum).name
+            tell(f"{name} received: stopping after this step; Ctrl-C again exits at once without saving")
         request.signum = request.signum or signum
         if several:
             os.kill(os.getpid(), signal.SIGTERM)

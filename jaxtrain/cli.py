@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import shlex
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -320,7 +321,7 @@ def train_main(argv: Sequence[str]) -> int:
     try:
         cfg = _run_config(args)
         if cfg is not None and cfg.engine.kind == "ray":
-            _ray_engine()(cfg)
+            return _ray_engine(cfg)
         elif cfg is not None:
             train(cfg)
     except CheckpointWriteError as err:
@@ -333,15 +334,23 @@ def train_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _ray_engine() -> Callable:
-    """`jaxtrain.asynchronous.engine.train_async`, or a one-line error saying how to install Ray."""
+def _ray_engine(cfg: RunConfig) -> int:
+    """Train `cfg` with `jaxtrain.asynchronous.engine.train_async`. Returns 0, or `PROCESSES_LOST_EXIT` after one line
+    when the run lost Ray processes it could not replace (not bad input: a restarting launcher restarts it). Without
+    Ray, a one-line error saying how to install it."""
+    from jaxtrain.errors import PROCESSES_LOST_EXIT
+
     try:
-        from jaxtrain.asynchronous.engine import train_async
+        from jaxtrain.asynchronous.engine import ProcessesLost, train_async
     except ModuleNotFoundError as err:
         if err.name != "ray":
             raise
         raise UserInputError("--engine ray needs Ray: pip install -e '.[async]' (or pip install ray).") from None
-    return train_async
+    try:
+        train_async(cfg)
+    except ProcessesLost as err:
+        return _error(err, PROCESSES_LOST_EXIT)
+    return 0
 
 
 @command
@@ -485,12 +494,13 @@ def generate_main(argv: Sequence[str]) -> int:
     if args.simulated_devices is not None:
         use_simulated_devices(args.simulated_devices)
     enable_compilation_cache()
-    from jaxtrain.inference.generate import Generator
+    from jaxtrain.inference.generate import Generator, encode_prompts
 
     prompt_ids = _prompt_ids(args.prompt_ids) if args.prompt_ids else None  # a typo is an error before restoring
     generator = Generator.restore(args.restore, args.mesh)
     tokenizer = None if prompt_ids else generator.tokenizer
-    prompts = prompt_ids or [tokenizer.encode(text) for text in args.prompt]
+    warn = functools.partial(print, "warning:", file=sys.stderr)
+    prompts = prompt_ids or encode_prompts(tokenizer, args.prompt, warn)
     result = generator.generate(
         prompts,
         max_new_tokens=args.max_new_tokens,
@@ -519,7 +529,7 @@ def tokenizer_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("action", choices=["train"])
     parser.add_argument("--vocab-size", type=flag_type(at_least=1), required=True, help="tokens, bytes included")
-    parser.add_argument("--out", required=True, help="the tokenizer.json to write")
+    parser.add_argument("--out", required=True, help="the tokenizer.json to write (must not exist)")
     parser.add_argument("files", nargs="+", metavar="FILE", help="text files to learn the merges from")
     _debug_flag(parser)
     args = parser.parse_args(argv)
@@ -597,7 +607,7 @@ def tokenize_main(argv: Sequence[str]) -> int:
         print(
             f"{split}: {counts['tokens']:,} tokens, {counts['documents']:,} documents, {len(counts['shards'])} shards"
         )
-    print(f"train on it: jaxtrain train --data tokens:{args.out}")
+    print(f"train on it: jaxtrain train --data {shlex.quote(f'tokens:{args.out}')}")  # pasted into a shell
     return 0
 
 

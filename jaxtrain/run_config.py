@@ -290,7 +290,7 @@ class EngineConfig(Settings):
     slow_workers: str = setting(
         "", "I:FACTOR,... worker I (spmd: process I) runs FACTOR x slower, by waiting (tests, benchmarks)"
     )
-    worker_restarts: int = setting(3, "ray: dead workers replaced before the run fails", at_least=0)
+    worker_restarts: int = setting(3, "ray: dead workers and server shards replaced before the run fails", at_least=0)
     ray_address: str = setting("", "ray: a cluster's address (auto: the one `ray start` began); empty: local Ray")
 
     def __post_init__(self) -> None:

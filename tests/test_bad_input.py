@@ -1,19 +1,34 @@
 """Malformed invocations of the command line: each is refused with a non-zero status and one message that names the
-offending value, never a traceback, and (in-process cases) before anything compiles. A few need a fresh process:
+offending value, never a traceback, and (in-process cases) before anything compiles. The table covers run configs,
+mesh layouts, data files, corpora and token shards, Hugging Face directories, generation requests and the AlphaZero
+application's flags. A few need a fresh process:
 --simulated-devices (JAX's device count is fixed once set) and the last-resort handler seen through scripts/train.py.
 """
 
 import gzip
+import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import jaxtrain.placement.shardings
 import jaxtrain.training.checkpoint
 from jaxtrain.cli import main
+from jaxtrain.data.shards import tokenize
+from jaxtrain.data.tokenizer import train_bpe
+from jaxtrain.interop.exporting import write_hf
+from jaxtrain.interop.importing import import_hf, params_shardings
+from jaxtrain.run_config import default_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ["train", "--simulated-devices", "8", "--model", "gpt-tiny", "--steps", "2", "--batch-size", "8"]
@@ -104,7 +119,10 @@ CASES = [
     (["comm", *TRAIN[1:], "--batch-size", "0"], "data.batch_size=0: expected an integer >= 1"),
     (["plan", *TRAIN[1:], "--chip", "v5p", "dtype=fp16"], "model.dtype='fp16' is not one of"),
     (["plan", *TRAIN[1:], "--chip", "v5p", "--devices", "0"], "--devices: expected an integer >= 1, got '0'"),
-    (["plan", "--model", "gpt-tiny", "--aot-topology", "v5p:0x4x4"], "'v5p:0x4x4' has a dimension of 0"),  # libtpu: SIGFPE
+    (
+        ["plan", "--model", "gpt-tiny", "--aot-topology", "v5p:0x4x4"],
+        "'v5p:0x4x4' has a dimension of 0",
+    ),  # libtpu: SIGFPE
     (
         ["plan", *TRAIN[1:], "--chip", "v5p", "--mesh", "fsdp=-1,tensor=3"],
         "say how many chips to plan for with --devices",
@@ -259,3 +277,312 @@ def test_a_malformed_alphazero_run_is_one_clear_error(argv, names, capsys, monke
     status = alphazero.main(argv)
     printed = capsys.readouterr().err
     assert status == 2 and names in printed and len(printed.splitlines()) == 1 and not played, printed
+
+
+# Tokenizer training and tokenization: malformed corpora, never an overwrite, a resume of the same inputs only; and
+# training on corrupt token shards, refused as they are opened instead of trained to NaN.
+TOKENIZE = ["tokenize", "--tokenizer", "{d}/tok.json", "--no-progress", "--out"]
+TRAIN_BPE = ["tokenizer", "train", "--vocab-size", "300", "--out"]
+CORPUS_TEXT = "def f(x):\n    return x + 1\n\n" * 40
+
+
+def write_bad_corpora(d) -> None:
+    """A tokenizer, and every malformed corpus the cases below name, in directory `d`."""
+    for i in range(4):
+        (d / f"good{i}.txt").write_text(f"# module {i}\n{CORPUS_TEXT}", encoding="utf-8")
+    train_bpe([d / "good0.txt"], 300, d / "tok.json")
+    (d / "existing.json").write_text("keep me")
+    (d / "binary.txt").write_bytes(b"text, then a byte that is not UTF-8: \xff\x00\x01")
+    (d / "empty.txt").write_text("")
+    (d / "null.jsonl").write_text('{"text": "fine"}\n{"text": null}\n')
+    (d / "number.jsonl").write_text('{"text": "fine"}\n\n{"text": "fine"}\n{"text": 5}\n')
+    (d / "notjson.jsonl").write_text('{"text": "fine"}\n{"text": "cut\n')
+    pq.write_table(pa.table({"text": pa.array([1, 2, 3], pa.int64())}), d / "ints.parquet")
+    pq.write_table(pa.table({"text": ["a b", "c d", None, "e f"]}), d / "nulls.parquet", row_group_size=2)
+    # An interrupted tokenization (no manifest yet) whose input then changed: resuming it would mix two versions.
+    (d / "changing.txt").write_text(CORPUS_TEXT, encoding="utf-8")
+    tokenize(d / "tok.json", [d / "changing.txt", d / "good1.txt"], d / "resume", val_fraction=0.5, progress=False)
+    (d / "resume" / "manifest.json").unlink()
+    (d / "changing.txt").write_text(CORPUS_TEXT + "one more line\n", encoding="utf-8")
+    write_corrupt_shards(d)
+
+
+def write_corrupt_shards(d) -> None:
+    """Tokenized shards with every third id of one shard overwritten by 60,000 (a uint16 past the 300 tokens):
+    `corrupt` with the manifest's checksums, `corrupt-old` as a manifest written before checksums has it."""
+    tokenize(d / "tok.json", [d / f"good{i}.txt" for i in range(4)], d / "corrupt", val_fraction=0.5, progress=False)
+    shard = d / "corrupt" / "train-00000.tokens.npy"
+    tokens = np.load(shard)
+    tokens[::3] = 60_000
+    np.save(shard, tokens)
+    shutil.copytree(d / "corrupt", d / "corrupt-old")
+    manifest = json.loads((d / "corrupt-old" / "manifest.json").read_text())
+    for split in manifest["splits"].values():
+        for record in split["shards"]:
+            del record["crc32"]
+    (d / "corrupt-old" / "manifest.json").write_text(json.dumps(manifest))
+
+
+DATA_CASES = [
+    # tokenizer train: never overwrites; UTF-8 text with something in it; a vocabulary the trainer can reserve.
+    ([*TRAIN_BPE, "{d}/existing.json", "{d}/good0.txt"], "tokenizer '{d}/existing.json' already exists"),
+    ([*TRAIN_BPE, "{d}/tok2.json", "{d}/binary.txt"], "'{d}/binary.txt' is not UTF-8 text: byte 0xff on line 1"),
+    ([*TRAIN_BPE, "{d}/tok2.json", "{d}/empty.txt"], "'{d}/empty.txt' hold no text to learn from"),
+    (
+        ["tokenizer", "train", "--vocab-size", "10000000000", "--out", "{d}/tok2.json", "{d}/good0.txt"],
+        "--vocab-size 10000000000 is too large",
+    ),
+    # tokenize: every JSON line's and Parquet row's text is a string, named by line or row when it is not.
+    ([*TOKENIZE, "{d}/o1", "{d}/null.jsonl"], "'{d}/null.jsonl' line 2: 'text' is null, not a string"),
+    ([*TOKENIZE, "{d}/o2", "{d}/number.jsonl"], "'{d}/number.jsonl' line 4: 'text' is 5, not a string"),
+    ([*TOKENIZE, "{d}/o3", "{d}/notjson.jsonl"], "'{d}/notjson.jsonl' line 2: expected a JSON object"),
+    ([*TOKENIZE, "{d}/o4", "{d}/ints.parquet"], "'{d}/ints.parquet' column 'text' holds int64, not strings"),
+    ([*TOKENIZE, "{d}/o5", "{d}/nulls.parquet"], "'{d}/nulls.parquet' row 2: 'text' is null, not a string"),
+    # tokenize: where it writes, what it reads, and a resume of the same inputs only.
+    ([*TOKENIZE, "{d}/tok.json", "{d}/good0.txt"], "--out '{d}/tok.json' is a file"),
+    ([*TOKENIZE, "{d}/o6", "{d}/empty.txt"], "the inputs '{d}/empty.txt' hold no text"),
+    ([*TOKENIZE, "{d}/o7", "{d}", "{d}/good1.txt"], "input '{d}/good1.txt' is given more than once"),
+    ([*TOKENIZE, "{d}/o8", "{d}/good1.txt", "{d}/good1.txt"], "input '{d}/good1.txt' is given more than once"),
+    (
+        [*TOKENIZE, "{d}/resume", "--val-fraction", "0.5", "{d}/changing.txt", "{d}/good1.txt"],
+        "input '{d}/changing.txt' changed since the tokenization in '{d}/resume' began",
+    ),
+    # Training on corrupt shards: refused as they are opened, not trained to NaN.
+    ([*TRAIN, "--data", "tokens:{d}/corrupt"], "shard '{d}/corrupt/train-00000.tokens.npy' has CRC-32 "),
+    ([*TRAIN, "--data", "tokens:{d}/corrupt-old"], "'{d}/corrupt-old/train-00000.tokens.npy' holds token id 60000"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_corpora(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bad-data")
+    write_bad_corpora(directory)
+    return directory
+
+
+@pytest.mark.parametrize("argv,names", DATA_CASES, ids=[" ".join(a).replace("{d}/", "") for a, _ in DATA_CASES])
+def test_malformed_data_is_one_clear_error(argv, names, bad_corpora, capsys):
+    status, printed = run_cli([arg.format(d=bad_corpora) for arg in argv], capsys)
+    assert status == 2, printed
+    errors = [line for line in printed.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and names.format(d=bad_corpora) in errors[0], printed
+    assert "Traceback" not in printed
+
+
+def test_a_refused_tokenizer_train_leaves_the_existing_file_alone(bad_corpora, capsys):
+    before = (bad_corpora / "existing.json").read_bytes()
+    run_cli([*TRAIN_BPE, str(bad_corpora / "existing.json"), str(bad_corpora / "good0.txt")], capsys)
+    assert (bad_corpora / "existing.json").read_bytes() == before
+    assert not list(bad_corpora.glob(".*tmp*"))  # nor a temporary beside it
+
+
+# Hugging Face directories and generation requests: safetensors headers that lie about their data, indexes that point
+# outside the model directory, prompts the tokenizer does not know and continuations longer than the model's context.
+# The directories are edits of a tiny randomly initialised llama-tiny written by `write_hf` (nothing is downloaded).
+WORDS = ["<unk>", "to", "be", "or", "not", "that", "is", "the", "question"]
+SHARD_BYTES = 200_000  # llama-tiny's 558 kB of float32 weights in 3 files
+EMBED = "model.embed_tokens.weight"  # the first tensor of model.safetensors, bytes 0..65536
+NORM = "model.layers.0.input_layernorm.weight"  # the second, bytes 65536..65792: 64 float32
+LAST = "model.norm.weight"  # the last, bytes 558080..558336
+
+
+def tiny_hf_model(directory: Path, max_file_bytes: int = 10**9) -> Path:
+    """A randomly initialised llama-tiny as a Hugging Face model directory, with a word-level tokenizer.json (ids
+    0-8, `<unk>` for any other word)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = default_config("llama-tiny")
+    shapes = params_shardings(cfg, "data=1", jax.devices()[:1]).abstract_state["params"]
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(0, 0.1, x.shape).astype(np.float32), shapes)
+    write_hf(params, cfg.model, directory, max_file_bytes=max_file_bytes)
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def read_file(path: Path) -> tuple[dict, bytes]:
+    """A safetensors file's header and data bytes."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def write_file(path: Path, header: dict | list | bytes, data: bytes, length: int | None = None) -> None:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.unlink()  # a copy's files are links to the original's
+    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
+
+
+def set_entry(name: str, **fields) -> Callable[[dict, bytes], tuple[dict, bytes]]:
+    """An edit that changes fields of tensor `name`'s header entry."""
+    return lambda header, data: ({**header, name: {**header[name], **fields}}, data)
+
+
+# Header edits of model.safetensors: name -> edit(header, data) -> (header or raw header bytes, data).
+HEADERS = {
+    "truncated": lambda h, d: (h, d[:-128]),  # the last tensor's end offset is past the file
+    "overlap": set_entry(NORM, data_offsets=[0, 256]),  # inside the embedding's bytes
+    "negative": set_entry(NORM, data_offsets=[-256, 0]),
+    "short-range": set_entry(NORM, dtype="F16"),  # 64 float16 are 128 bytes; the range holds 256
+    "unknown-dtype": set_entry(NORM, dtype="Q7"),
+    "no-dtype": lambda h, d: ({**h, NORM: {k: v for k, v in h[NORM].items() if k != "dtype"}}, d),
+    "negative-shape": set_entry(NORM, shape=[-64]),
+    "entry-not-object": lambda h, d: ({**h, NORM: 5}, d),
+    "header-not-object": lambda h, d: ([1, 2], d),
+    "header-not-json": lambda h, d: (b"{not json", d),
+    "metadata-not-strings": lambda h, d: ({**h, "__metadata__": {"format": 1}}, d),
+    "trailing-bytes": lambda h, d: (h, d + bytes(64)),
+}
+
+
+def edited_headers(base: Path, d: Path) -> None:
+    """A copy of `base` under `d` for each header edit, its model.safetensors edited."""
+    for name, edit in HEADERS.items():
+        copy = d / name
+        shutil.copytree(base, copy, copy_function=os.link)
+        header, data = edit(*read_file(copy / "model.safetensors"))
+        write_file(copy / "model.safetensors", header, data)
+    copy = d / "header-past-end"
+    shutil.copytree(base, copy, copy_function=os.link)
+    write_file(copy / "model.safetensors", *read_file(copy / "model.safetensors"), length=2**62)
+    copy = d / "tiny-file"
+    shutil.copytree(base, copy, copy_function=os.link)
+    (copy / "model.safetensors").unlink()
+    (copy / "model.safetensors").write_bytes(b"\x05\x00")
+
+
+def edited_configs(base: Path, d: Path) -> None:
+    """Copies of `base` under `d` whose config.json is not a JSON object."""
+    for name, text in {"config-not-json": "{hidden_size: 64", "config-not-object": "[64]"}.items():
+        copy = d / name
+        shutil.copytree(base, copy, copy_function=os.link)
+        (copy / "config.json").unlink()
+        (copy / "config.json").write_text(text)
+
+
+def edited_indexes(sharded: Path, d: Path) -> None:
+    """Copies of the sharded model `sharded` under `d` whose index, or a shard, points outside their directory or
+    is malformed."""
+    index_name = "model.safetensors.index.json"
+    index = json.loads((sharded / index_name).read_text())
+    second = sorted(set(index["weight_map"].values()))[1]
+
+    def copy_with(name: str, weight_map_value: str | None = None, index_text: str | None = None) -> Path:
+        copy = d / name
+        shutil.copytree(sharded, copy, copy_function=os.link)
+        if weight_map_value is not None:
+            mapped = {k: weight_map_value if v == second else v for k, v in index["weight_map"].items()}
+            index_text = json.dumps({**index, "weight_map": mapped})
+        if index_text is not None:
+            (copy / index_name).unlink()
+            (copy / index_name).write_text(index_text)
+        return copy
+
+    # The shard it names, outside the directory, is a good one: only where it lies is wrong.
+    os.link(sharded / second, d / "outside.safetensors")
+    copy_with("index-parent", "../outside.safetensors")
+    copy_with("index-absolute", str(d / "outside.safetensors"))
+    linked = copy_with("index-symlink")
+    (linked / second).unlink()
+    (linked / second).symlink_to(d / "outside.safetensors")
+    copy_with("index-not-json", index_text="{weight_map")
+    copy_with("index-no-map", index_text=json.dumps({"metadata": {}}))
+    copy_with("index-not-string", index_text=json.dumps({"weight_map": {EMBED: 3}}))
+    twice = copy_with("index-twice")  # the embedding in two files: which one holds the model's?
+    (twice / "extra.safetensors").write_bytes((sharded / sorted(set(index["weight_map"].values()))[0]).read_bytes())
+    mapped = {**index["weight_map"], "extra": "extra.safetensors"}
+    (twice / index_name).unlink()
+    (twice / index_name).write_text(json.dumps({**index, "weight_map": mapped}))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("hf-bad")
+    base = tiny_hf_model(d / "base")
+    edited_headers(base, d)
+    edited_configs(base, d)
+    edited_indexes(tiny_hf_model(d / "sharded", SHARD_BYTES), d)
+    import_hf(base, d / "imported", devices=jax.devices()[:1])
+    return d
+
+
+FILE = "{d}/%s/model.safetensors"
+INDEX = "{d}/%s/model.safetensors.index.json"
+GENERATE = ["generate", "--restore", "{d}/imported", "--mesh", "data=1"]
+# (argv with {d} for the models' directory and {o} for a new output directory, a substring of the message that
+# names the offending value)
+MODEL_CASES = [
+    (["import-hf", "{d}/truncated", "{o}"], FILE % "truncated" + f": tensor {LAST}: data_offsets [558080, 558336] "),
+    (["import-hf", "{d}/truncated", "{o}"], "end past the 558208 bytes of data the file holds"),
+    (["import-hf", "{d}/overlap", "{o}"], f"tensor {EMBED}: data_offsets [0, 65536] overlap tensor {NORM} at [0, 256]"),
+    (["import-hf", "{d}/negative", "{o}"], f"tensor {NORM}: data_offsets [-256, 0]: expected [start, end], "),
+    (["import-hf", "{d}/short-range", "{o}"], f"{NORM}: data_offsets [65536, 65792] hold 256 bytes, but F16 x "),
+    (["import-hf", "{d}/unknown-dtype", "{o}"], f"tensor {NORM}: dtype 'Q7' is not one of F64, F32, F16, BF16"),
+    (["import-hf", "{d}/no-dtype", "{o}"], f"tensor {NORM}: dtype None is not one of F64, F32"),
+    (["import-hf", "{d}/negative-shape", "{o}"], f"tensor {NORM}: shape [-64]: expected a list of integers >= 0"),
+    (["import-hf", "{d}/entry-not-object", "{o}"], f"tensor {NORM}: header entry 5 is not an object"),
+    (["import-hf", "{d}/header-not-object", "{o}"], FILE % "header-not-object" + ": the header is a list, not"),
+    (["import-hf", "{d}/header-not-json", "{o}"], FILE % "header-not-json" + ": the header is not JSON ("),
+    (["import-hf", "{d}/metadata-not-strings", "{o}"], "__metadata__ {{'format': 1}}: expected strings"),
+    (["import-hf", "{d}/trailing-bytes", "{o}"], "64 bytes after the last tensor's data"),
+    (["import-hf", "{d}/header-past-end", "{o}"], "header length 4611686018427387904 runs past the end of"),
+    (["import-hf", "{d}/tiny-file", "{o}"], FILE % "tiny-file" + ": the file is 2 bytes: too short"),
+    (["import-hf", "{d}/config-not-json", "{o}"], "config-not-json/config.json is not JSON (Expecting property name"),
+    (["import-hf", "{d}/config-not-object", "{o}"], "config-not-object/config.json holds a JSON list, not an object"),
+    (["import-hf", "{d}/index-parent", "{o}"], INDEX % "index-parent" + ": weight_map names '../outside."),
+    (["import-hf", "{d}/index-absolute", "{o}"], "{d}/outside.safetensors', which lies outside {d}/index-abs"),
+    (["import-hf", "{d}/index-symlink", "{o}"], "a link to {d}/outside.safetensors, which lies outside"),
+    (["import-hf", "{d}/index-not-json", "{o}"], INDEX % "index-not-json" + " is not JSON ("),
+    (["import-hf", "{d}/index-no-map", "{o}"], INDEX % "index-no-map" + " has no weight_map"),
+    (["import-hf", "{d}/index-not-string", "{o}"], f"weight_map['{EMBED}'] is 3, not a file name"),
+    (["import-hf", "{d}/index-twice", "{o}"], f"tensor {EMBED} is in both "),
+    ([*GENERATE, "--prompt-ids", "1,2,3", "--max-new-tokens", "1000000000"], "max_new_tokens=1000000000 is more"),
+    (
+        [*GENERATE, "--prompt-ids", "1,2,3", "--max-new-tokens", "1000000000"],
+        "than 262141: the model's context is 262144",
+    ),
+    ([*GENERATE, "--prompt", "xyzzy plugh"], "prompt 1 ('xyzzy plugh') is only unknown tokens (<unk> for 'xyzzy'"),
+]
+
+
+@pytest.mark.parametrize(
+    "argv,names", MODEL_CASES, ids=[f"{a[0]} {a[-1] if a[0] == 'generate' else a[1]}" for a, _ in MODEL_CASES]
+)
+def test_malformed_model_or_request_is_one_clear_error(argv, names, models, no_compiling, capsys, tmp_path):
+    status, printed = run_cli([arg.format(d=models, o=tmp_path / "out") for arg in argv], capsys)
+    assert status == 2, printed
+    assert names.format(d=models) in printed, printed
+    assert len(printed.strip().splitlines()) == 1 and "Traceback" not in printed and not no_compiling
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", [*HEADERS, "header-past-end", "tiny-file"])
+def test_the_safetensors_library_refuses_every_header_refused_here(name, models):
+    """Our rules are the library's (safetensors' `Metadata::validate`): a file it reads, we read, and the reverse."""
+    safetensors = pytest.importorskip("safetensors", reason="installed with the hf extra: pip install -e '.[hf]'")
+    from jaxtrain.interop.tensor_files import TensorFileError, read_header
+
+    with pytest.raises(TensorFileError):
+        read_header(models / name / "model.safetensors")
+    with pytest.raises(safetensors.SafetensorError), safetensors.safe_open(models / name / "model.safetensors", "np"):
+        pass
+    with safetensors.safe_open(models / "base" / "model.safetensors", "np") as reference:
+        ours = read_header(models / "base" / "model.safetensors")
+        assert sorted(ours) == sorted(reference.keys())
+        assert all(list(ours[k].shape) == reference.get_slice(k).get_shape() for k in ours)
+
+
+def test_a_hugging_face_cache_snapshot_reads_through_its_links_into_blobs(models, tmp_path):
+    """The hub's cache keeps each file once under `blobs/` and links a snapshot's files to it: inside the model."""
+    from jaxtrain.interop.tensor_files import TensorFiles
+
+    repo = tmp_path / "models--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        os.link(models / "base" / name, repo / "blobs" / name)
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", name))
+    assert TensorFiles(snapshot).tensors.keys() == TensorFiles(models / "base").tensors.keys()

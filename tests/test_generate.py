@@ -1,6 +1,8 @@
 """Generation: sampling keeps exactly the tokens its settings allow; cached decoding equals the full forward on one
 device and on data=2,tensor=2; ragged batches equal their prompts alone; eos stops a row; the command end to end."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +11,11 @@ from conftest import shared_file
 from flax import nnx
 from helpers import cached_run
 from jax.sharding import PartitionSpec as P
+from test_bad_input import tiny_hf_model
 from test_checkpoint import run_train
 
 from jaxtrain.cli import main
+from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.errors import ConfigError
 from jaxtrain.inference.generate import (
     ByteTokenizer,
@@ -20,11 +24,13 @@ from jaxtrain.inference.generate import (
     generate,
     generation_shardings,
     tokenizer_for,
+    unknown_pieces,
 )
 from jaxtrain.inference.sampling import Sampling, filtered_logits, sample
+from jaxtrain.interop.importing import import_hf
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.sharding.mesh import build_mesh, parse_layout
-from jaxtrain.training.checkpoint import CheckpointError, export_params
+from jaxtrain.training.checkpoint import CARRIED, CheckpointError, export_params
 from jaxtrain.training.loop import train
 
 MODEL = "llama-tiny"  # float32 compute; grouped-query attention (4 heads, 2 kv heads), tied embeddings
@@ -192,6 +198,13 @@ def test_eos_stops_a_row_and_keeps_the_others(single, greedy):
         ([], {}, "no prompts given"),
         ([[1]], {"eos_id": 300}, "eos_id=300 is outside 0..255"),
         ([[1]], {"max_new_tokens": 0}, "max_new_tokens=0: expected an integer >= 1"),
+        # Refused before the cache is allocated (it would need 1e9 positions: terabytes).
+        (
+            [[1, 2]],
+            {"max_new_tokens": 10**9},
+            r"max_new_tokens=1000000000 is more than \d+: the KV cache and the output take 516 B a token on each "
+            r"device, which has [\d.]+ [GT]iB \(the host's",
+        ),
     ],
 )
 def test_bad_prompts_are_clear_errors(single, prompts, settings, message):
@@ -249,6 +262,7 @@ def test_generate_command_prints_ids_and_text(checkpoint, tmp_path, capsys):
     [
         (["--prompt-ids", "1,x"], "--prompt-ids '1,x': expected comma-separated integer token ids"),
         (["--prompt-ids", "1,999"], "prompt 1: token id 999 is not an integer in 0..255"),
+        (["--prompt-ids", "1", "--max-new-tokens", "1000000000"], "max_new_tokens=1000000000 is more than"),
     ],
 )
 def test_generate_command_bad_prompts(checkpoint, capsys, args, message):
@@ -288,6 +302,54 @@ def test_generate_from_a_missing_or_non_language_checkpoint(tmp_path, capsys):
     train(apply_overrides(default_config("moe-tiny"), moe_overrides), log=lambda *_: None, devices=jax.devices()[:1])
     with pytest.raises(GenerationError, match="has no init_cache, cache_names, extend"):
         Generator.restore(moe / "1", "data=1", jax.devices()[:1])
+
+
+# An imported model: its context, its tokenizer's unknown token ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """A randomly initialised llama-tiny imported from a Hugging Face directory with a word-level tokenizer (words
+    outside "to be or not that is the question" are `<unk>`), its context cut to 16 positions."""
+    d = tmp_path_factory.mktemp("imported")
+    out = import_hf(tiny_hf_model(d / "hf"), d / "export", devices=jax.devices()[:1])
+    config = json.loads((out / CARRIED / "config.json").read_text())
+    (out / CARRIED / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
+    return out
+
+
+def test_new_tokens_fill_an_imported_models_context_and_no_more(imported):
+    generator = Generator.restore(imported, "data=1", jax.devices()[:1])
+    assert generator.context == 16
+    assert len(generator.generate([[1, 2, 3]], max_new_tokens=13).tokens[0]) == 13
+    message = "max_new_tokens=14 is more than 13: the model's context is 16 positions .* longest prompt has 3 tokens"
+    with pytest.raises(GenerationError, match=message):
+        generator.generate([[1, 2, 3], [4]], max_new_tokens=14)
+    with pytest.raises(GenerationError, match="max_new_tokens=1: no new token fits: .* Shorten the prompts"):
+        generator.generate([[1] * 16], max_new_tokens=1)
+
+
+def test_unknown_words_in_a_prompt_are_named_in_one_warning(imported, capsys):
+    args = ["generate", "--restore", str(imported), "--mesh", "data=1", "--max-new-tokens", "2"]
+    assert main([*args, "--prompt", "to be xyzzy or not plugh xyzzy"]) == 0
+    out = capsys.readouterr()
+    assert out.err == (
+        "warning: prompt 1 ('to be xyzzy or not plugh xyzzy'): 3 of its 7 tokens are unknown (<unk> for 'xyzzy', "
+        "'plugh'); the model sees nothing of that text.\n"
+    )
+    assert out.out.count("\n") == 1  # generated all the same (random ids past the 9 words decode to nothing)
+    assert main([*args, "--prompt", "to be"]) == 0 and capsys.readouterr().err == ""
+
+
+def test_a_sentencepiece_models_unknown_pieces_are_found(tmp_path):
+    spm = pytest.importorskip("sentencepiece", reason="the sentencepiece extra is not installed")
+    (tmp_path / "text.txt").write_text("to be or not to be, that is the question\n" * 50)
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=20, minloglevel=2
+    )
+    tokenizer = load_tokenizer(tmp_path / "sp.model")
+    assert unknown_pieces(tokenizer, "to be") == ("<unk>", [])
+    assert unknown_pieces(tokenizer, "to bé or ñot") == ("<unk>", ["é", "ñ"])
 
 
 # Learning ---------------------------------------------------------------------------------------------------------

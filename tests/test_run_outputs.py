@@ -3,10 +3,14 @@ scalars and as an offline Weights & Biases run (both read back from their files 
 record handed to a callback."""
 
 import json
+import os
 import shutil
+import signal
 import struct
 import sys
+import threading
 import zlib
+from pathlib import Path
 
 import jax
 import pytest
@@ -17,6 +21,7 @@ from jaxtrain.cli import _run_config, _train_parser
 from jaxtrain.run_config import apply_overrides, default_config
 from jaxtrain.training.loop import train
 from jaxtrain.training.metrics import MetricsError
+from jaxtrain.training.recovery import Preempted
 from jaxtrain.training.run_identity import config_json, fingerprint
 from jaxtrain.training.tracking import TrackingError, resolved_mode
 
@@ -140,6 +145,74 @@ def test_wandb_offline_run_holds_the_jsonl_scalars_and_the_config(trained):
     assert scalars == expected
     assert config["model"]["d_model"] == summary["run"].cfg.model.d_model
     assert any(line.startswith("W&B: offline run") and "wandb sync" in line for line in lines)
+
+
+def wandb_service_pids() -> list[int]:
+    """The W&B service processes (`wandb-core`) this process started, from /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited meanwhile
+            continue
+        name, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        if "wandb" in name and int(fields[1]) == os.getpid():
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+@pytest.fixture
+def lagging_wandb_service(monkeypatch):
+    """The W&B service is stopped for a second as each run finishes, as a loaded machine may leave it unscheduled:
+    `Run.finish()` returns once it has informed the service, which writes the run file when it closes the run."""
+    from wandb.sdk.lib.service.service_connection import ServiceConnection
+
+    real_inform = ServiceConnection.inform_finish
+
+    def stall_then_inform(self, *args, **kwargs):
+        for pid in wandb_service_pids():
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(1.0, os.kill, (pid, signal.SIGCONT)).start()
+        real_inform(self, *args, **kwargs)
+
+    monkeypatch.setattr(ServiceConnection, "inform_finish", stall_then_inform)
+
+
+def stop_at_step_2(how: str):
+    """An `on_metrics` callback that ends the run at step 2 the way `how` says."""
+
+    def on_metrics(record: dict) -> None:
+        if record["step"] != 2:
+            return
+        if how == "exception":
+            raise RuntimeError("planted")
+        if how == "interrupt":
+            raise KeyboardInterrupt
+        if how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)  # the loop finishes the step, then stops as preempted
+
+    return on_metrics
+
+
+@pytest.mark.parametrize(
+    "how, raised",
+    [("end", None), ("exception", RuntimeError), ("interrupt", KeyboardInterrupt), ("sigterm", Preempted)],
+)
+def test_the_wandb_run_holds_the_jsonl_scalars_however_training_ends(tmp_path, lagging_wandb_service, how, raised):
+    overrides = ["steps=4", "log_every=1", "eval_every=1000", "progress=false", "mesh=data=8"]
+    overrides += [f"metrics_file={tmp_path / 'metrics.jsonl'}", f"tensorboard_dir={tmp_path / 'tb'}"]
+    overrides += ["wandb_project=jaxtrain-tests", "wandb_mode=offline", f"wandb_dir={tmp_path / 'wb'}"]
+    cfg = apply_overrides(default_config("gpt-tiny"), [*TINY, *overrides])
+    if raised:
+        with pytest.raises(raised):
+            train(cfg, log=lambda *_: None, on_metrics=stop_at_step_2(how))
+    else:
+        train(cfg, log=lambda *_: None)
+    jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in jsonl] == list(range(1, len(jsonl) + 1)) and len(jsonl) >= 2
+    expected = {(k, r["step"]): v for r in jsonl for k, v in r.items() if k not in ("step", "run")}
+    assert wandb_scalars(tmp_path / "wb")[0] == expected
+    assert tensorboard_scalars(tmp_path / "tb").keys() == expected.keys()
 
 
 def test_preflight_is_concise_by_default(trained):

@@ -3,9 +3,13 @@ batches that depend on (seed, step, row) alone: the same on any mesh, resumed ex
 between documents, mixed by weight; bad input is one clear error naming the file."""
 
 import json
+import os
+import shlex
 import shutil
+import signal
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import jax
@@ -22,7 +26,7 @@ from jaxtrain.data.datasets import DataError, TokenOptions, make_dataset
 from jaxtrain.data.packing import pack
 from jaxtrain.data.shards import ShardError, shard_dtype, tokenize
 from jaxtrain.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab, train_bpe
-from jaxtrain.data.tokens import TokenData
+from jaxtrain.data.tokens import TokenData, TokenDataError, open_split
 from jaxtrain.errors import UserInputError
 from jaxtrain.inference.generate import tokenizer_for
 from jaxtrain.run_config import apply_overrides, default_config, load_config
@@ -127,6 +131,66 @@ def test_an_interrupted_tokenization_finishes_when_rerun_with_workers(corpus, tm
     assert again == whole and {p.name: p.read_bytes() for p in out.glob("*.npy") if p.name in before} == before
     with pytest.raises(ShardError, match=r"holds a tokenization with other settings \(val_fraction differ"):
         tokenize(corpus["root"] / "tok.json", inputs, out, **{**options, "val_fraction": 0.3})
+
+
+def test_every_state_an_interrupted_start_leaves_resumes(corpus, tmp_path):
+    """Killed while the directory is begun (a plan, a tokenizer copy, half of either, as this or an older jaxtrain
+    left them), the rerun finishes it: the same files as an uninterrupted run."""
+    tokenizer, inputs = corpus["root"] / "tok.json", [corpus["root"] / "texts"]
+    options = {"val_fraction": 0.2, "chunk_bytes": 120_000, "progress": False}
+    tokenize(tokenizer, inputs, tmp_path / "whole", **options)
+    whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
+    half_tokenizer = whole["tokenizer.json"][: len(whole["tokenizer.json"]) // 2]
+    states = {
+        "tokenizer copy only": {"tokenizer.json": whole["tokenizer.json"]},
+        "half a tokenizer copy": {"tokenizer.json": half_tokenizer},
+        "half a plan": {".plan.json.tmp": whole["plan.json"][:40]},
+        "plan only": {"plan.json": whole["plan.json"]},
+        "plan and half a copy": {"plan.json": whole["plan.json"], ".tokenizer.json.tmp": half_tokenizer},
+    }
+    for state, files in states.items():
+        out = tmp_path / state
+        out.mkdir()
+        for name, data in files.items():
+            (out / name).write_bytes(data)
+        tokenize(tokenizer, inputs, out, **options)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == whole, state
+
+
+def test_tokenize_workers_die_with_their_parent(corpus, tmp_path):
+    """kill -9 of tokenize --workers 2 while each worker has a big chunk: no worker goes on (checked in /proc), so
+    none can write into the directory beside a rerun."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from tokenize_faults import children, survivors, tokenize_process
+
+    big = "\n\n".join(corpus["docs"]) * 40  # about 20 MB: a chunk of its own, many seconds of work
+    inputs = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for path in inputs:
+        path.write_text(big, encoding="utf-8")
+    process = tokenize_process(corpus["root"] / "tok.json", inputs, tmp_path / "out", 2, 4 * 2**20)
+    workers = []
+    try:
+        deadline = time.monotonic() + 60  # a liveness bound: the workers start within seconds
+        while len(workers := children(process.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(workers) >= 2, "the workers did not start"
+        time.sleep(0.5)  # not a measurement: the moment of the kill, once the workers have their chunks
+        workers = children(process.pid)
+        process.kill()
+        process.wait()
+        assert survivors(workers, bound=15) == []
+    finally:
+        process.kill()
+        for pid in survivors(workers, bound=0):  # what this test started must not outlive it either
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_suggested_command_quotes_the_directory(corpus, tmp_path, capsys):
+    out = tmp_path / "my shards; rm -rf x"
+    argv = ["tokenize", "--tokenizer", str(corpus["root"] / "tok.json"), "--out", str(out), "--no-progress"]
+    assert main([*argv, "--val-fraction", "0.2", str(corpus["root"] / "texts")]) == 0
+    suggested = capsys.readouterr().out.splitlines()[-1]
+    assert shlex.split(suggested.partition("train on it: ")[2]) == ["jaxtrain", "train", "--data", f"tokens:{out}"]
 
 
 def test_the_model_vocabulary_comes_from_the_tokenizer(corpus):
@@ -285,6 +349,59 @@ def test_bad_tokenized_data_is_one_clear_error_naming_the_file(corpus, tmp_path)
     refused(r"'.*other' was tokenized with another tokenizer than", mixture=f"{corpus['dir']}:1,{other}:1")
     with pytest.raises(TokenizerError, match="tokenizer '.*absent.json' does not exist"):
         load_tokenizer(tmp_path / "absent.json")
+
+
+def without_checksums(directory: Path) -> None:
+    """Rewrite `directory`'s manifest as jaxtrain wrote it before shards had checksums."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            del shard["crc32"]
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_corrupt_shard_is_refused_by_its_checksum_and_by_its_ids(corpus, tmp_path, capsys):
+    """Every third id of a shard overwritten with 60,000 (a uint16, far past the 600 tokens): the manifest's CRC-32
+    refuses it, naming the shard and both checksums. In a manifest written before checksums, the vocabulary check
+    refuses it; that manifest's intact shards load, with one notice that they are unchecked."""
+    broken = tmp_path / "shards"
+    shutil.copytree(corpus["dir"], broken)
+    shard = broken / f"{corpus['manifest']['splits']['train']['shards'][0]['name']}.tokens.npy"
+    intact, tokens = shard.read_bytes(), np.load(shard)
+    tokens[::3] = 60_000
+    np.save(shard, tokens)
+    with pytest.raises(TokenDataError, match=rf"shard '{shard}' has CRC-32 [0-9a-f]{{8}}, but the manifest says "):
+        open_split(broken, "train")
+    capsys.readouterr()
+    without_checksums(broken)
+    with pytest.raises(TokenDataError, match=rf"shard '{shard}' holds token id 60000 at position 0, but its"):
+        open_split(broken, "train")
+    shard.write_bytes(intact)
+    open_split(broken, "train")
+    open_split(broken, "val")
+    notices = capsys.readouterr().err.splitlines()
+    assert len(notices) == 1 and notices[0].startswith(f"notice: '{broken / 'manifest.json'}' has no shard checksums")
+
+
+def test_a_manifest_and_tokenizer_from_another_tokenization_are_refused(corpus, tmp_path):
+    """The same texts tokenized with a tokenizer whose ids are permuted: shards of the same shapes, other ids. Its
+    manifest and tokenizer copied beside the first tokenization's shards would read them with the wrong vocabulary:
+    the shards' checksums refuse it."""
+    spec = json.loads((corpus["root"] / "tok.json").read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (tmp_path / "permuted.json").write_text(json.dumps(spec))
+    inputs = [corpus["root"] / "texts", corpus["root"] / "docs.jsonl", corpus["root"] / "docs.parquet"]
+    tokenize(
+        tmp_path / "permuted.json", inputs, tmp_path / "other", val_fraction=0.2, chunk_bytes=30_000, progress=False
+    )
+    mixed = tmp_path / "mixed"
+    shutil.copytree(corpus["dir"], mixed)
+    for name in ("manifest.json", "tokenizer.json"):
+        shutil.copy(tmp_path / "other" / name, mixed / name)
+    with pytest.raises(TokenDataError, match=r"shard '.*-\d{5}.tokens.npy' has CRC-32 .* does not belong to it"):
+        open_split(mixed, "train")
 
 
 def test_the_cli_reports_bad_tokenized_data_in_one_line(tmp_path, capsys):

@@ -4,10 +4,13 @@ Accelerators: dense bf16 peak per chip from the vendors' data sheets (the table 
 
 CPU: measured, as a plain jitted matmul reaches it. Simulated CPU devices share the machine's cores, so the peak is
 the machine's, whatever the number of devices: a 2-D matmul on one device, which XLA runs on every core, at a few
-sizes (the best size differs between CPUs and dtypes), each warmed up, then timed several times. The spread of the
-repeats says whether the machine was busy: a measurement whose repeats differ by more than `STEADY_SPREAD` is retried
-and, if it stays unsteady, used for this run but not cached. A steady one is cached in ~/.cache/jaxtrain with its
-spread, size and date. Set JAXTRAIN_CPU_PEAK_FLOPS to give the figure instead.
+sizes (the best size differs between CPUs and dtypes), each warmed up, then timed several times. Two signs say the
+machine was busy: repeats that differ by more than `STEADY_SPREAD`, and a share of the cores below `QUIET_SHARE` (the
+process's CPU seconds over the wall seconds times the cores: a matmul that had the machine keeps every core busy,
+while steady work elsewhere slows every repeat alike and leaves the spread small). A busy measurement is retried and,
+if it stays busy, used for this run but not cached. A quiet one is cached in ~/.cache/jaxtrain with its spread,
+share, size and date. A run that computes faster than the peak proves it too low: `peak_too_low` drops it from the
+cache. Set JAXTRAIN_CPU_PEAK_FLOPS to give the figure instead.
 
 >>> measurement = measure_cpu_peak("float32")                                           # doctest: +SKIP
 >>> measurement.flops / 1e9, measurement.size, measurement.spread                      # doctest: +SKIP
@@ -36,6 +39,7 @@ CACHE_FILE = "cpu_matmul_peak.json"
 SIZES = (1024, 2048, 4096)
 REPEATS = 5
 STEADY_SPREAD = 0.10  # (median - best) / best of a size's repeats: above it, other work took the cores
+QUIET_SHARE = 0.75  # of the cores the matmul kept busy: below, other work held some (0.43-0.61 seen under load)
 ATTEMPTS = 3
 _UNSTEADY: dict[str, CpuPeak] = {}
 
@@ -43,20 +47,23 @@ _UNSTEADY: dict[str, CpuPeak] = {}
 @dataclasses.dataclass(frozen=True)
 class CpuPeak:
     """A measured CPU matmul peak: `flops` per second at its best `size`, with the `spread` of that size's repeats
-    ((median - best) / best); `steady` when the spread says the machine was quiet."""
+    ((median - best) / best) and the share of the cores they kept busy; `steady` when both say the machine was
+    quiet."""
 
     flops: float
     dtype: str
     size: int
     spread: float
     measured: str  # ISO date
+    cpu_share: float = 1.0  # entries cached before the share was measured have none
 
     @property
     def steady(self) -> bool:
-        return self.spread <= STEADY_SPREAD
+        return self.spread <= STEADY_SPREAD and self.cpu_share >= QUIET_SHARE
 
     def describe(self) -> str:
-        how = f"{self.dtype} {self.size}x{self.size} matmul, best of {REPEATS}, spread {self.spread:.0%}"
+        how = f"{self.dtype} {self.size}x{self.size} matmul, best of {REPEATS}, spread {self.spread:.0%}, "
+        how += f"{self.cpu_share:.0%} of the cores"
         return f"measured peak of this CPU ({how}, {self.measured})"
 
 
@@ -82,8 +89,7 @@ def peak_flops(devices: Sequence[jax.Device], dtype: str = "bfloat16") -> tuple[
 def cpu_peak(dtype: str = "float32") -> tuple[CpuPeak, bool]:
     """This CPU's matmul peak for `dtype` and whether it came from the cache: a steady measurement is cached; an
     unsteady one (still so after `ATTEMPTS` tries) is returned for this run only, so a busy moment is not kept."""
-    key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}cpu-{dtype}-jax{jax.__version__}"
-    cache = CACHE_DIR / CACHE_FILE
+    key, cache = _cache_key(dtype), CACHE_DIR / CACHE_FILE
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     if key in known:
         return CpuPeak(**known[key]), True
@@ -94,13 +100,52 @@ def cpu_peak(dtype: str = "float32") -> tuple[CpuPeak, bool]:
         if attempt:
             time.sleep(2.0)  # let whatever took the cores finish
         peak = measure_cpu_peak(dtype)
-        best = peak if best is None or peak.spread < best.spread else best
+        best = peak if best is None or peak.flops > best.flops else best  # other work only slows a matmul
         if peak.steady:
-            CACHE_DIR.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps({**known, key: dataclasses.asdict(peak)}, indent=1))
+            _write_cache({**known, key: dataclasses.asdict(peak)})
             return peak, False
     _UNSTEADY[key] = best
     return best, False
+
+
+def peak_too_low(devices: Sequence[jax.Device], dtype: str, observed: float) -> str:
+    """A run on `devices` computed `observed` model FLOP/s, above what `peak_flops(devices, dtype)` gave: say why that
+    peak is too low, for the log. A measured CPU peak is forgotten (cache and this process), so the next run measures
+    again: a busy machine can only slow a matmul down, so a low figure is a measurement spoiled by other work."""
+    if devices[0].platform != "cpu":
+        return (
+            "the data-sheet peak cannot be exceeded, so the model FLOPs per step are overcounted: check the model "
+            "config's train_flops"
+        )
+    if os.environ.get("JAXTRAIN_CPU_PEAK_FLOPS"):
+        return f"JAXTRAIN_CPU_PEAK_FLOPS={os.environ['JAXTRAIN_CPU_PEAK_FLOPS']} is below what this CPU does: raise it"
+    forget_cpu_peak(dtype)
+    return (
+        "the CPU peak was measured while other work held the cores; it is dropped from the cache and measured again "
+        f"by the next run (or set JAXTRAIN_CPU_PEAK_FLOPS above {observed:.3g})"
+    )
+
+
+def forget_cpu_peak(dtype: str) -> None:
+    """Drop this CPU's measured `dtype` peak from the cache and from this process: the next `cpu_peak` measures."""
+    key, cache = _cache_key(dtype), CACHE_DIR / CACHE_FILE
+    _UNSTEADY.pop(key, None)
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    if known.pop(key, None) is not None:
+        _write_cache(known)
+
+
+def _cache_key(dtype: str) -> str:
+    return f"{platform.processor() or platform.machine()}-{os.cpu_count()}cpu-{dtype}-jax{jax.__version__}"
+
+
+def _write_cache(known: dict) -> None:
+    """Replace the cache file whole (a temporary file renamed over it): a run killed mid-write, or another run
+    reading it, never sees half a file."""
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    partial = CACHE_DIR / f".{CACHE_FILE}.{os.getpid()}"
+    partial.write_text(json.dumps(known, indent=1))
+    os.replace(partial, CACHE_DIR / CACHE_FILE)
 
 
 def measure_cpu_peak(dtype: str = "float32", sizes: Sequence[int] = SIZES, repeats: int = REPEATS) -> CpuPeak:
@@ -110,7 +155,7 @@ def measure_cpu_peak(dtype: str = "float32", sizes: Sequence[int] = SIZES, repea
     found = None
     for size in sizes:
         a = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype), device)
-        times = matmul_times(matmul, a, repeats)
+        times, cpu_share = matmul_times(matmul, a, repeats)
         best = min(times)
         measured = CpuPeak(
             flops=2.0 * size**3 / best,
@@ -118,19 +163,22 @@ def measure_cpu_peak(dtype: str = "float32", sizes: Sequence[int] = SIZES, repea
             size=size,
             spread=float(np.median(times)) / best - 1.0,
             measured=datetime.date.today().isoformat(),
+            cpu_share=cpu_share,
         )
         if found is None or measured.flops > found.flops:
             found = measured
     return found
 
 
-def matmul_times(matmul, a: jax.Array, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` calls of `matmul(a, a)`, after two warm-up calls (compile, then first touch)."""
+def matmul_times(matmul, a: jax.Array, repeats: int) -> tuple[list[float], float]:
+    """Seconds of each of `repeats` calls of `matmul(a, a)`, after two warm-up calls (compile, then first touch), and
+    the share of this machine's cores the process kept busy over them."""
     for _ in range(2):
         matmul(a, a).block_until_ready()
-    times = []
+    times, cpu = [], time.process_time()
     for _ in range(repeats):
         start = time.perf_counter()
         matmul(a, a).block_until_ready()
         times.append(time.perf_counter() - start)
-    return times
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return times, (time.process_time() - cpu) / sum(times) / cores

@@ -5,6 +5,7 @@
     server shards (server.py)  S processes, each holding a part of the params and its optimizer state
     dispatch.py             who computes which batch on which params, bounded staleness, the batch log (no Ray)
     shards.py               which leaves each server shard holds (no Ray)
+    watchdog.py             a local Ray session's processes die with the driver, kill -9 included
 
 Gradients move from a worker to the servers, and params from the servers to a worker, through Ray's object store;
 the driver passes only references. Every update goes through the same update core as the SPMD step

@@ -4,6 +4,9 @@ Local runs start Ray in this process (`ray.init`, no dashboard) and stop it at t
 (`auto`: the cluster `ray start --head` began on this node; `ray://host:10001` from elsewhere) the job joins a running
 cluster and leaves it running. Inside a session someone else started (`ray.is_initialized()`, e.g. a test fixture),
 the engine uses it as it is.
+
+A local session's processes die with the driver however it ends, kill -9 included (`watchdog.py`); on a cluster
+Ray itself ends a job's actors when its driver dies, and the cluster stays up.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from jaxtrain.asynchronous import watchdog
 from jaxtrain.asynchronous.server import ServerShard
 from jaxtrain.asynchronous.worker import Worker
 from jaxtrain.run_config import EngineConfig, RunConfig
@@ -42,6 +46,7 @@ def connected(engine: EngineConfig, log: Callable[[str], None] = print) -> Itera
         yield
         return
     local = not engine.ray_address
+    before = watchdog.children()
     # Logical CPUs, not cores: one per worker, which is what a worker asks for; server shards ask none.
     ray.init(
         address=engine.ray_address or None,
@@ -52,10 +57,12 @@ def connected(engine: EngineConfig, log: Callable[[str], None] = print) -> Itera
         log_to_driver=True,
     )
     log(f"ray: {'local session' if local else engine.ray_address}, {ray.cluster_resources().get('CPU', 0):g} CPUs")
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    started = sorted(watchdog.children() - before) if local else []
+    with watchdog.watching(started) if started else contextlib.nullcontext():
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 def start_worker(cfg: RunConfig, index: int, slowdown: float) -> Any:
@@ -67,8 +74,9 @@ def start_worker(cfg: RunConfig, index: int, slowdown: float) -> Any:
     return remote.options(runtime_env=_cpu_env(devices) if local else None).remote(cfg, index, devices, slowdown)
 
 
-def start_server(cfg: RunConfig, names: list[tuple], params: list[np.ndarray]) -> Any:
-    """A `ServerShard` actor holding `params` (with their logical `names`), on its host's CPU."""
+def start_server(cfg: RunConfig, names: list[tuple], params: list[np.ndarray] | ray.ObjectRef) -> Any:
+    """A `ServerShard` actor holding `params` (with their logical `names`; or a reference to them), on its host's
+    CPU."""
     remote = ray.remote(num_cpus=0, max_restarts=0)(ServerShard)
     return remote.options(runtime_env=_cpu_env(1)).remote(cfg.optimizer, cfg.train.steps, names, params)
 
@@ -78,3 +86,8 @@ def _cpu_env(devices: int) -> dict[str, Any]:
     is built (to unpickle its arguments) must not probe for accelerators or settle on one device."""
     env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}
     return {"env_vars": {**runtime_env()["env_vars"], **env}}
+
+
+def actor_id(actor: Any) -> str:
+    """The id of `actor` (a handle), as `RayActorError.actor_id` names a dead one."""
+    return actor._actor_id.hex()

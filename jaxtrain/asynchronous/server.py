@@ -15,6 +15,7 @@ differences, both because a shard sees only part of the gradient:
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -53,6 +54,9 @@ class ServerShard:
         self.state, learning_rate = self._update(self.state, jnp.float32(loss), jnp.float32(scale), *grads)
         self.applied += len(grads)
         return float(learning_rate)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def params(self) -> tuple[int, list[np.ndarray]]:
         """The version (updates applied) and the current params of this shard."""

@@ -2,7 +2,8 @@
 
 A tokenized directory holds:
 
-    manifest.json            format, the tokenizer's SHA-256 and vocabulary, dtype, and per split its shards and counts
+    manifest.json            format, the tokenizer's SHA-256 and vocabulary, dtype, and per split its shards, their
+                             counts and each file's CRC-32 (checked when the shard is opened for training)
     tokenizer.json           a copy of the tokenizer (or tokenizer.model): the directory says how to read it back
     train-00003.tokens.npy   chunk 3's training documents, each followed by the end-of-text token, as uint16/uint32
     train-00003.docs.npy     where each document starts and ends: int64 offsets, documents + 1 of them
@@ -10,27 +11,33 @@ A tokenized directory holds:
 
 The inputs are cut into chunks (text files, together up to `chunk_bytes`; a JSON-lines file's lines in ranges of
 `chunk_bytes`; a Parquet row group), tokenized by worker processes; each chunk's shards are written under temporary
-names and renamed, then its `.done` record, so a run that is interrupted resumes where it stopped when rerun. Which
-documents are held out is decided per chunk by a fixed seed: a rerun makes the same split.
+names and renamed, then its `.done` record, so a run that is interrupted resumes where it stopped when rerun. The
+plan (`plan.json`, with each input's size and modification time) is written first: a rerun whose settings or inputs
+differ is refused. Which documents are held out is decided per chunk by a fixed seed: a rerun makes the same split.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import functools
 import json
 import multiprocessing
 import os
 import re
 import shutil
+import signal
+import sys
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file
+from jaxtrain.data.tokenizer import Tokenizer, file_digest, load_tokenizer, tokenizer_file
 from jaxtrain.errors import UserInputError
+from jaxtrain.files import read_bytes, utf8_text
 
 FORMAT = 1
 MANIFEST, PLAN = "manifest.json", "plan.json"
@@ -40,6 +47,8 @@ PARQUET_SUFFIXES = (".parquet",)
 DOCUMENTS = ("file", "paragraphs")  # what a document is in a text file: the whole file, or each blank-line paragraph
 SPLIT_SEED = 19  # seeds which documents are held out, per chunk: fixed, so a rerun splits the same way
 ENCODE_BATCH = 256  # documents per call into the tokenizer
+CHECKSUM_BLOCK = 2**22  # bytes read at a time to checksum a shard file
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when the thread that started it dies
 
 
 class ShardError(UserInputError):
@@ -65,7 +74,27 @@ def input_files(inputs: Sequence[str | Path]) -> list[Path]:
             files.append(given)
         else:
             raise ShardError(f"input '{given}' does not exist: give text, JSON-lines or Parquet files, or folders.")
+    _refuse_repeats(files)
     return files
+
+
+def _refuse_repeats(files: Sequence[Path]) -> None:
+    """A file named twice (given twice, or given and inside a folder given, or through a link) would be tokenized
+    twice, with its documents held out in one copy and trained on in the other: refused, naming it."""
+    seen: dict[tuple[int, int], Path] = {}
+    for path in files:
+        stat = path.stat()
+        if (first := seen.setdefault((stat.st_dev, stat.st_ino), path)) is not path:
+            raise ShardError(
+                f"input '{path}' is given more than once (also as '{first}'): its documents would be both trained on "
+                "and held out. Name each file once."
+            )
+
+
+def describe_inputs(files: Sequence[Path]) -> list[dict]:
+    """Each input's path, size and modification time, as the plan records them: a resume checks that none changed
+    (reading them all again to hash them would double the work of a big corpus)."""
+    return [{"path": str(p), "bytes": (st := p.stat()).st_size, "mtime_ns": st.st_mtime_ns} for p in files]
 
 
 def plan_chunks(files: Sequence[Path], chunk_bytes: int) -> list[dict]:
@@ -107,19 +136,32 @@ def chunk_documents(chunk: dict, documents: str) -> list[str]:
     if "start" in chunk:
         return list(_jsonl_texts(path, chunk["start"], chunk["stop"]))
     if "group" in chunk:
-        table = _parquet(path)
-        if "text" not in table.schema_arrow.names:
-            raise ShardError(f"'{path}' has no 'text' column (it has: {', '.join(table.schema_arrow.names)}).")
-        return [t for t in table.read_row_group(chunk["group"], columns=["text"]).column("text").to_pylist() if t]
+        return _parquet_texts(path, chunk["group"])
     raise ValueError(f"not a chunk: {chunk}")
+
+
+def _parquet_texts(path: Path, group: int) -> list[str]:
+    """The `text` of each row of row group `group` of Parquet file `path`: a column of strings, none null."""
+    import pyarrow as pa
+
+    table = _parquet(path)
+    if "text" not in table.schema_arrow.names:
+        raise ShardError(f"'{path}' has no 'text' column (it has: {', '.join(table.schema_arrow.names)}).")
+    kind = table.schema_arrow.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise ShardError(f"'{path}' column 'text' holds {kind}, not strings: tokenize a column of text.")
+    texts = table.read_row_group(group, columns=["text"]).column("text").to_pylist()
+    if None in texts:
+        row = sum(table.metadata.row_group(g).num_rows for g in range(group)) + texts.index(None)
+        raise ShardError(
+            f"'{path}' row {row}: 'text' is null, not a string (rows count from 0). Drop or fill the rows without text."
+        )
+    return [t for t in texts if t]
 
 
 def text_documents(path: Path, documents: str) -> list[str]:
     """A text file's documents: the file, or its blank-line paragraphs."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ShardError(f"'{path}' is not UTF-8 text (byte {err.start}): tokenize text files only.") from None
+    text = utf8_text(read_bytes(path, "text file", ShardError), path, "text file", ShardError)
     parts = [text] if documents == "file" else re.split(r"\n\s*\n", text)
     return [p for p in parts if p.strip()]
 
@@ -131,17 +173,39 @@ def _jsonl_texts(path: Path, start: int, stop: int) -> Iterator[str]:
             f.seek(start - 1)
             f.readline()  # the line that began before `start` belongs to the chunk before
         while f.tell() < stop and (line := f.readline()):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError):
-                raise ShardError(
-                    f"'{path}' near byte {f.tell() - len(line)}: expected a JSON object with a 'text' field a line, "
-                    f"got {line[:80]!r}."
-                ) from None
-            if text:
+            if line.strip() and (text := _jsonl_text(path, f.tell() - len(line), line)):
                 yield text
+
+
+def _jsonl_text(path: Path, offset: int, line: bytes) -> str:
+    """The `text` of JSON line `line`, which starts at byte `offset` of `path`: a string (an empty one is no
+    document); anything else is an error naming the line."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # not JSON, or not UTF-8
+        record = None
+    if not isinstance(record, dict) or "text" not in record:
+        raise ShardError(
+            f"'{path}' line {_line_number(path, offset)}: expected a JSON object with a 'text' field a line, got "
+            f"{line[:80]!r}."
+        )
+    if not isinstance(text := record["text"], str):
+        raise ShardError(
+            f"'{path}' line {_line_number(path, offset)}: 'text' is {json.dumps(text)[:40]}, not a string. Give each "
+            "line its text, or drop the line."
+        )
+    return text
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """The line (from 1) of `path` that byte `offset` is on. Counted for an error message only: a chunk starts
+    mid-file, and counting every good file's lines would cost a pass over it."""
+    lines = 1
+    with path.open("rb") as f:
+        while offset > 0 and (block := f.read(min(offset, CHECKSUM_BLOCK))):
+            lines += block.count(b"\n")
+            offset -= len(block)
+    return lines
 
 
 def _shard_name(split: str, index: int) -> str:
@@ -181,9 +245,11 @@ def _write_shard(out: Path, name: str, texts: list[str], tokenizer: Tokenizer) -
     dtype = shard_dtype(tokenizer.vocab_size)
     tokens = np.concatenate([np.array(doc + eot, dtype=dtype) for doc in ids])
     offsets = np.concatenate([[0], np.cumsum([len(doc) + len(eot) for doc in ids])]).astype(np.int64)
+    checksums = {}
     for suffix, array in (("tokens", tokens), ("docs", offsets)):
         temporary = out / f".{name}.{suffix}.tmp.npy"
         np.save(temporary, array)
+        checksums[suffix] = file_crc32(temporary)
         os.replace(temporary, out / f"{name}.{suffix}.npy")
     size = (out / f"{name}.tokens.npy").stat().st_size
     return {
@@ -192,13 +258,34 @@ def _write_shard(out: Path, name: str, texts: list[str], tokenizer: Tokenizer) -
         "documents": len(ids),
         "bytes": size,
         "text_bytes": sum(len(t.encode("utf-8")) for t in texts),
+        "crc32": checksums,
     }
 
 
+def file_crc32(path: Path) -> str:
+    """The CRC-32 of a file's bytes, as 8 hex digits. A shard's checksum guards against corruption and mix-ups, not
+    forgery, and CRC-32 is the fastest such check in the standard library (docs/data.md has the figures), so a
+    loader can check every shard it opens."""
+    crc = 0
+    with Path(path).open("rb") as f:
+        while block := f.read(CHECKSUM_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def _temporary(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place: beside it, hidden."""
+    return path.with_name(f".{path.name}.tmp")
+
+
 def _write_json(path: Path, value: dict) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(value, indent=1), encoding="utf-8")
-    os.replace(temporary, path)
+    _temporary(path).write_text(json.dumps(value, indent=1), encoding="utf-8")
+    os.replace(_temporary(path), path)
+
+
+def _copy(source: Path, target: Path) -> None:
+    shutil.copyfile(source, _temporary(target))
+    os.replace(_temporary(target), target)
 
 
 def tokenize(
@@ -220,13 +307,18 @@ def tokenize(
     source = tokenizer_file(tokenizer)
     tok = load_tokenizer(source)
     out = Path(out)
-    chunks = plan_chunks(input_files(inputs), chunk_bytes)
+    files = input_files(inputs)
+    if not any(p.stat().st_size for p in files):
+        named = ", ".join(f"'{p}'" for p in inputs)
+        raise ShardError(f"the inputs {named} hold no text ({len(files)} empty files): give files with documents.")
+    chunks = plan_chunks(files, chunk_bytes)
     plan = {
         "format": FORMAT,
         "tokenizer_sha256": tok.digest,
         "documents": documents,
         "val_fraction": val_fraction,
         "chunk_bytes": chunk_bytes,
+        "inputs": describe_inputs(files),
         "chunks": chunks,
     }
     _start(out, plan, source)
@@ -247,21 +339,48 @@ def tokenize(
 
 
 def _start(out: Path, plan: dict, source: Path) -> None:
-    """Create `out` with the plan and the tokenizer's copy, or check that the run there is this one (to resume)."""
+    """Create `out` with the plan, then the tokenizer's copy, or check that the run there is this one (to resume).
+    Each is written under a temporary name and renamed, so a kill at any moment leaves a directory a rerun takes up:
+    no plan yet (nothing else but the start's own files), or a plan and perhaps the copy."""
+    if out.exists() and not out.is_dir():
+        raise ShardError(
+            f"--out '{out}' is a file: give the directory to write the shards into (a new one, or an interrupted "
+            "tokenization's to finish it)."
+        )
     if (out / PLAN).is_file():
-        before = json.loads((out / PLAN).read_text())
-        if before != plan:
-            changed = sorted(k for k in plan if before.get(k) != plan[k])
-            raise ShardError(
-                f"'{out}' holds a tokenization with other settings ({', '.join(changed)} differ): to resume it, give "
-                f"the same tokenizer, inputs and options; else choose a new --out directory, or delete '{out}'."
-            )
-        return
-    if out.exists() and any(out.iterdir()):
+        _check_resume(out, json.loads((out / PLAN).read_text()), plan)
+    elif out.exists() and not {p.name for p in out.iterdir()} <= _start_files():
         raise ShardError(f"--out '{out}' exists and is not a tokenization in progress: choose a new directory.")
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, out / f"tokenizer{source.suffix}")
-    _write_json(out / PLAN, plan)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / PLAN, plan)
+    copy = out / f"tokenizer{source.suffix}"
+    if not copy.is_file() or file_digest(copy) != plan["tokenizer_sha256"]:
+        _copy(source, copy)
+
+
+def _start_files() -> set[str]:
+    """What a start killed before its plan was written may have left (an older jaxtrain copied the tokenizer first)."""
+    copies = {f"tokenizer{suffix}" for suffix in (".json", ".model")}
+    return copies | {_temporary(Path(name)).name for name in (*copies, PLAN)}
+
+
+def _check_resume(out: Path, before: dict, plan: dict) -> None:
+    """Refuse to resume the tokenization in `out` (planned as `before`) with other settings or changed inputs."""
+    recorded = {i["path"]: i for i in before.get("inputs", [])}
+    for now in plan["inputs"]:
+        if (then := recorded.get(now["path"], now)) != now:
+            raise ShardError(
+                f"input '{now['path']}' changed since the tokenization in '{out}' began ({then['bytes']:,} bytes then, "
+                f"{now['bytes']:,} now, or modified since): its finished chunks hold the old text. Put the file back "
+                "as it was, or tokenize into a new --out directory."
+            )
+    if before != plan:
+        changed = sorted(k for k in plan if before.get(k) != plan[k])
+        raise ShardError(
+            f"'{out}' holds a tokenization with other settings ({', '.join(changed)} differ): to resume it, give "
+            f"the same tokenizer, inputs and options; else choose a new --out directory, or delete '{out}'."
+        )
 
 
 def _run(todo: list[int], chunks: list[dict], args: tuple, workers: int) -> Iterator[tuple[int, dict]]:
@@ -272,10 +391,24 @@ def _run(todo: list[int], chunks: list[dict], args: tuple, workers: int) -> Iter
         return
     # Spawned, not forked: a forked child of a process that runs threads (JAX's, the tokenizer's) may deadlock.
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_die_with_parent, initargs=(os.getpid(),)
+    )
+    try:
         futures = {pool.submit(tokenize_chunk, i, chunks[i], *args): i for i in todo}
         for future in concurrent.futures.as_completed(futures):
             yield futures[future], future.result()
+    finally:  # after an error (bad input in one chunk, Ctrl-C), the chunks not begun are not begun
+        pool.shutdown(cancel_futures=True)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Make this worker die with the process that started it, even by kill -9: else it would go on writing the same
+    temporary shard names as a rerun's workers. On Linux the kernel sends SIGKILL (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
 
 
 def _manifest(plan: dict, tok: Tokenizer, records: list[dict], out: Path) -> dict:

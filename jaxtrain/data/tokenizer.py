@@ -10,8 +10,10 @@ A tokenizer is known by the SHA-256 of its file (`digest`): tokenized shards rec
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,6 +25,11 @@ VOCAB_MULTIPLE = 128
 # The end-of-text token our BPE gets, and the names other tokenizers give theirs, in the order looked for.
 EOT_TOKEN = "<|endoftext|>"
 EOT_NAMES = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+# The largest vocabulary `train_bpe` asks for. The trainer reserves room for every token it is asked for before it
+# reads a byte (tens of bytes each, at least: at 2**28 it needs over 6 GB, and 10**10 aborts the process), and its ids
+# are 32-bit. 2**24 reserves about a gigabyte, and is 64 times the largest vocabularies in use (262,144).
+MAX_BPE_VOCAB = 2**24
+READ_BLOCK = 2**20  # bytes read at a time to check a training file
 
 
 class TokenizerError(UserInputError):
@@ -117,9 +124,15 @@ def train_bpe(files: Sequence[str | Path], vocab_size: int, out: str | Path) -> 
             f"--vocab-size {vocab_size} is too small: a byte-level BPE holds the {len(alphabet)} bytes and "
             f"{EOT_TOKEN}, so it needs at least {len(alphabet) + 1}."
         )
-    missing = [str(f) for f in files if not Path(f).is_file()]
-    if missing or not files:
-        raise TokenizerError(f"no text file at {', '.join(missing)}: give the text files to train the tokenizer on.")
+    if vocab_size > MAX_BPE_VOCAB:
+        raise TokenizerError(
+            f"--vocab-size {vocab_size} is too large: the trainer reserves memory for every token up front, so "
+            f"jaxtrain asks it for at most {MAX_BPE_VOCAB:,} (2**24; vocabularies in use hold up to 262,144)."
+        )
+    out = Path(out)
+    if out.exists():
+        raise TokenizerError(f"tokenizer '{out}' already exists: training never overwrites. Give a new --out path.")
+    _check_corpus([Path(f) for f in files])
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
@@ -127,6 +140,46 @@ def train_bpe(files: Sequence[str | Path], vocab_size: int, out: str | Path) -> 
         vocab_size=vocab_size, special_tokens=[EOT_TOKEN], initial_alphabet=alphabet, show_progress=False
     )
     hf.train([str(f) for f in files], trainer)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    hf.save(str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out.with_name(f".{out.name}.tmp")  # renamed into place once whole: never a half-written tokenizer
+    try:
+        hf.save(str(temporary))
+        os.replace(temporary, out)
+    finally:
+        temporary.unlink(missing_ok=True)
     return load_tokenizer(out)
+
+
+def _check_corpus(files: Sequence[Path]) -> None:
+    """The training files exist, are UTF-8 text (the trainer would stop at the first other byte, naming no file),
+    and hold some text between them."""
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing or not files:
+        raise TokenizerError(f"no text file at {', '.join(missing)}: give the text files to train the tokenizer on.")
+    if not any([_holds_text(f) for f in files]):  # a list: every file is checked, not only up to one with text
+        named = ", ".join(f"'{f}'" for f in files)
+        raise TokenizerError(f"the files {named} hold no text to learn from: give text files with something in them.")
+
+
+def _holds_text(path: Path) -> bool:
+    """Whether the file at `path` holds anything but blanks; a file that is not UTF-8 is an error naming the first
+    byte that is not. Read in blocks: a corpus file need not fit in memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    found, offset, line = False, 0, 1
+    with path.open("rb") as f:
+        while True:
+            block = f.read(READ_BLOCK)
+            pending = decoder.getstate()[0]  # the start of a character cut by the last block
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as err:
+                data = pending + block
+                raise TokenizerError(
+                    f"'{path}' is not UTF-8 text: byte 0x{data[err.start]:02x} on line "
+                    f"{line + data.count(b'\n', 0, err.start)} (offset {offset - len(pending) + err.start}). Convert "
+                    "it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or leave it out."
+                ) from None
+            if not block:
+                return found
+            found = found or bool(text.strip())
+            offset, line = offset + len(block), line + block.count(b"\n")

@@ -6,12 +6,18 @@ a seed from (train.seed, split), a new order each epoch (`repeat`); a mixture of
 deterministic `mix` of them by weight. So sample g is a pure function of (seed, split, g): any process reads just
 its own rows, a run resumes exactly on any number of devices or processes, and nothing about the data needs to be
 in a checkpoint. With `data.prefetch` > 0 a Grain thread reads the next steps' rows while the device computes.
+
+Each shard is checked when it is opened: against its CRC-32 in the manifest (a shard changed since it was written, or
+a manifest copied from another tokenization, is refused), and its largest id against the tokenizer's vocabulary (an
+id past it would train to NaN). A manifest written before shards had checksums is read with the ids check alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +26,7 @@ import jax
 import numpy as np
 
 from jaxtrain.data.packing import PACKINGS, ConcatWindows, PackedRows
-from jaxtrain.data.shards import FORMAT, MANIFEST
+from jaxtrain.data.shards import FORMAT, MANIFEST, file_crc32
 from jaxtrain.data.tokenizer import Tokenizer, file_digest, load_tokenizer, padded_vocab
 from jaxtrain.errors import UserInputError
 
@@ -102,6 +108,8 @@ class SplitTokens:
         shards = manifest["splits"][split]["shards"]
         self.tokens = [self._open(s, "tokens", (s["tokens"],), manifest["dtype"]) for s in shards]
         docs = [self._open(s, "docs", (s["documents"] + 1,), "int64") for s in shards]
+        for shard, tokens in zip(shards, self.tokens):
+            self._check_ids(shard, tokens, manifest["tokenizer"]["vocab_size"])
         self.starts = np.concatenate([[0], np.cumsum([len(t) for t in self.tokens])])  # each shard's first token
         for shard, offsets, tokens in zip(shards, docs, self.tokens):
             if offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) <= 0):
@@ -152,14 +160,44 @@ class SplitTokens:
             raise TokenDataError(
                 f"shard '{path}' holds {array.dtype}{list(array.shape)}, the manifest says {dtype}{list(shape)}. {fix}"
             )
+        expected = shard.get("crc32", {}).get(kind)  # none in a manifest written before shards had checksums
+        if expected is not None and (found := file_crc32(path)) != expected:
+            raise TokenDataError(
+                f"shard '{path}' has CRC-32 {found}, but the manifest says {expected}: the file changed after it was "
+                f"written, or the manifest was copied from another tokenization and the shard does not belong to it. "
+                f"{fix}"
+            )
         return array
+
+    def _check_ids(self, shard: dict, tokens: np.ndarray, vocab_size: int) -> None:
+        """Every id of a shard is one of its tokenizer's: an id past the vocabulary would index past the embedding."""
+        if (largest := int(tokens.max())) >= vocab_size:
+            position = int(np.argmax(tokens >= vocab_size))
+            raise TokenDataError(
+                f"shard '{self._file(shard, 'tokens')}' holds token id {largest} at position {position}, but its "
+                f"tokenizer has {vocab_size} tokens (ids 0..{vocab_size - 1}): the shard is corrupt or was written "
+                "with another tokenizer. Rerun jaxtrain tokenize into a new directory."
+            )
 
 
 def open_split(directory: Path, split: str) -> tuple[dict, SplitTokens]:
     """The manifest of `directory`, its tokenizer checked, and its split `split`."""
     manifest = read_manifest(directory)
     checked_tokenizer(directory, manifest)
+    if any("crc32" not in shard for s in manifest["splits"].values() for shard in s["shards"]):
+        _unchecked_notice(directory / MANIFEST)
     return manifest, SplitTokens(directory, manifest, split)
+
+
+@functools.cache  # once per manifest, though each split is opened
+def _unchecked_notice(manifest: Path) -> None:
+    # Still read, not refused: re-tokenizing a big corpus for a check costs hours, and the ids check still runs.
+    print(
+        f"notice: '{manifest}' has no shard checksums (written by an older jaxtrain tokenize): its shards are read "
+        "unchecked, their ids checked against the vocabulary. Rerun jaxtrain tokenize into a new directory to add "
+        "them.",
+        file=sys.stderr,
+    )
 
 
 def tokenizer_of(directory: Path) -> Tokenizer:

@@ -19,8 +19,11 @@ The model must follow the decoder protocol (`models/gpt.py`): `init_cache(batch,
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtrain.data.tokens import token_sources, tokenizer_of
 from jaxtrain.errors import UserInputError
+from jaxtrain.formatting import fmt_bytes
 from jaxtrain.inference.sampling import Sampling, sample
 from jaxtrain.placement.place import PlacedModel, place_model
 from jaxtrain.placement.shardings import Shardings
@@ -48,6 +52,7 @@ NO_EOS = -1  # the eos id the program is given when there is none: no token equa
 STOPPED = -1  # what the output holds after a row has stopped
 MIN_PROMPT_BUCKET = 8
 DECODER_METHODS = ("init_cache", "cache_names", "extend")
+SHOWN_PIECES = 5  # unknown pieces of a prompt named in a message; the rest are counted
 
 
 class GenerationError(UserInputError):
@@ -188,6 +193,7 @@ class Generator:
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
         self._check(prompts, max_new_tokens, eos_id)
         tokens, lengths, live = self._batch(prompts)
+        self._check_length(prompts, max_new_tokens, tokens.shape, return_logits)
         rows = tokens.shape[0]
         inputs = [tokens, lengths, live, *(np.asarray(x) for x in sampling.per_row(rows))]
         put = [jax.device_put(x, self.shardings.batch_sharding(x.shape)) for x in inputs]
@@ -225,6 +231,64 @@ class Generator:
                 raise GenerationError(
                     f"prompt {number}: token id {bad[0]!r} is not an integer in {vocab}. Give ids in that range."
                 )
+
+    def _check_length(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, shape: tuple[int, int], return_logits: bool
+    ) -> None:
+        """Refuse, before anything is allocated, more new tokens than the model's context or the devices' memory
+        takes after these prompts (batched as `shape`)."""
+        limit, why = min(self._new_token_limits(prompts, shape, return_logits))
+        if limit < 1:
+            raise GenerationError(f"max_new_tokens={max_new_tokens}: no new token fits: {why}. Shorten the prompts.")
+        if max_new_tokens > limit:
+            raise GenerationError(
+                f"max_new_tokens={max_new_tokens} is more than {limit}: {why}. Give max_new_tokens <= {limit}."
+            )
+
+    def _new_token_limits(
+        self, prompts: Sequence[Sequence[int]], shape: tuple[int, int], return_logits: bool
+    ) -> list[tuple[int, str]]:
+        """The most new tokens each limit allows, and the limit in words: the device memory that the KV cache
+        (`shape[1] + new - 1` positions) and the output must fit in, and an imported model's context."""
+        rows, width = shape
+        cache = self._cache_bytes_per_position(rows, width)
+        output = rows * 4 * (1 + self.vocab_size * return_logits)  # int32 tokens (and float32 logits), replicated
+        memory, where = device_memory(self.shardings.mesh)
+        per_token = cache + output
+        limits = [
+            (
+                int((memory - cache * (width - 1)) // per_token),
+                f"the KV cache and the output take {fmt_bytes(per_token)} a token on each device, which has "
+                f"{fmt_bytes(memory)} ({where})",
+            )
+        ]
+        if self.context is not None:
+            longest = max(map(len, prompts))
+            limits.append(
+                (
+                    self.context - longest,
+                    f"the model's context is {self.context} positions (max_position_embeddings in its config.json) "
+                    f"and the longest prompt has {longest} tokens",
+                )
+            )
+        return limits
+
+    def _cache_bytes_per_position(self, rows: int, positions: int) -> float:
+        """The bytes one position of a `rows`-row KV cache takes on each device, as its rules lay it out (found on a
+        cache of `positions`, which the layout divides as it will divide the real one)."""
+        shapes = self._cache_shapes(rows, positions)
+        shards = (self._cache_sharding(name, x.shape).shard_shape(x.shape) for name, x in shapes.items())
+        return sum(math.prod(shard) * x.dtype.itemsize for shard, x in zip(shards, shapes.values())) / positions
+
+    @functools.cached_property
+    def context(self) -> int | None:
+        """The positions an imported model was made for: max_position_embeddings in the config.json its checkpoint
+        carries. None for a model trained here, whose rotary positions set no limit."""
+        config = self.carried / "config.json" if self.carried is not None else None
+        if config is None or not config.is_file():
+            return None
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+        return value if type(value) is int and value > 0 else None
 
     def _batch(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Prompts right-padded into (rows, P) int32, their lengths and which rows are real. Rows are padded to a
@@ -297,9 +361,11 @@ class Generator:
     def cache_shardings(self, batch: int, max_len: int) -> dict[str, NamedSharding]:
         """How the KV cache of `batch` rows and `max_len` slots is laid out: the activation rules applied to the
         model's `cache_names()` (batch over the data axes, kv heads over `tensor`)."""
+        return {name: self._cache_sharding(name, x.shape) for name, x in self._cache_shapes(batch, max_len).items()}
+
+    def _cache_shapes(self, batch: int, max_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         module = nnx.merge(self.shardings.model.graphdef, self.params)
-        shapes = jax.eval_shape(lambda: module.init_cache(batch, max_len))
-        return {name: self._cache_sharding(name, x.shape) for name, x in shapes.items()}
+        return jax.eval_shape(lambda: module.init_cache(batch, max_len))
 
     def _cache_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
         mesh = self.shardings.mesh
@@ -312,6 +378,74 @@ class Generator:
         return {
             name: jax.lax.with_sharding_constraint(x, self._cache_sharding(name, x.shape)) for name, x in cache.items()
         }
+
+
+def device_memory(mesh: Mesh) -> tuple[int, str]:
+    """The bytes each device of `mesh` has for new arrays (the least of them), and where the figure comes from. A
+    CPU device reports none: the host's physical memory, shared by the mesh's devices on it."""
+    stats = [device.memory_stats() or {} for device in mesh.local_devices]
+    if all("bytes_limit" in s for s in stats):
+        return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats), "free on the device"
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return host // len(stats), f"the host's {fmt_bytes(host)} shared by {len(stats)} device(s)"
+
+
+def encode_prompts(
+    tokenizer: ByteTokenizer | Tokenizer, texts: Sequence[str], warn: Callable[[str], None]
+) -> list[list[int]]:
+    """`texts` as token ids. A prompt that is only the tokenizer's unknown token is refused: the model would be
+    given nothing of it. One with some unknown pieces is encoded, and `warn` is told in one line which."""
+    prompts = []
+    for number, text in enumerate(texts, 1):
+        ids = tokenizer.encode(text)
+        unknown, pieces = unknown_pieces(tokenizer, text)
+        named = f"{unknown} for {_listed(pieces)}"
+        if pieces and len(pieces) == len(ids):
+            raise GenerationError(
+                f"prompt {number} ({_excerpt(text)}) is only unknown tokens ({named}): {tokenizer.path} has no token "
+                "for its text. Give text the tokenizer knows, or token ids (--prompt-ids)."
+            )
+        if pieces:
+            warn(
+                f"prompt {number} ({_excerpt(text)}): {len(pieces)} of its {len(ids)} tokens are unknown ({named}); "
+                "the model sees nothing of that text."
+            )
+        prompts.append(ids)
+    return prompts
+
+
+def unknown_pieces(tokenizer: ByteTokenizer | Tokenizer, text: str) -> tuple[str, list[str]]:
+    """The tokenizer's unknown token and the pieces of `text` its encoding turns into it; none for a tokenizer that
+    encodes any text (bytes, a byte-level BPE, sentencepiece with byte fallback)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return "", []
+    if tokenizer.path.suffix == ".model":
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer.path))
+        # An unknown piece comes back as its own text, which is no piece of the vocabulary.
+        pieces = [p for p in sp.encode(text, out_type=str) if sp.piece_to_id(p) == sp.unk_id()]
+        return sp.id_to_piece(sp.unk_id()), [p.replace("\u2581", " ").strip() for p in pieces]
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(tokenizer.path))
+    model = json.loads(tokenizer.path.read_text(encoding="utf-8"))["model"]
+    # BPE, WordPiece and WordLevel name their unknown token; Unigram gives its id.
+    unk_id = hf.token_to_id(model["unk_token"]) if model.get("unk_token") else model.get("unk_id")
+    if unk_id is None:
+        return "", []
+    encoding = hf.encode(text, add_special_tokens=False)
+    return hf.id_to_token(unk_id), [text[a:b] for i, (a, b) in zip(encoding.ids, encoding.offsets) if i == unk_id]
+
+
+def _listed(pieces: Sequence[str]) -> str:
+    distinct = list(dict.fromkeys(pieces))
+    more = len(distinct) - SHOWN_PIECES
+    return ", ".join(map(repr, distinct[:SHOWN_PIECES])) + (f" and {more} more" if more > 0 else "")
+
+
+def _excerpt(text: str, chars: int = 40) -> str:
+    return repr(text if len(text) <= chars else text[:chars] + "...")
 
 
 def _mesh(mesh: str | Mesh | None, devices: Sequence[jax.Device] | None) -> Mesh:

@@ -55,7 +55,7 @@ class HFCheckpoint:
             raise HFImportError(
                 f"{config_file} does not exist: give a Hugging Face model directory (save_pretrained's)."
             )
-        self.config: dict[str, Any] = json.loads(config_file.read_text())
+        self.config: dict[str, Any] = _config(config_file)
         self.arch: Architecture = architecture(self.config, str(config_file))
         self.files = TensorFiles(self.directory)
 
@@ -122,6 +122,17 @@ class HFCheckpoint:
                 f"for: {', '.join(unused[:3])}{' ...' if len(unused) > 3 else ''}. Check config.json's settings "
                 "(tie_word_embeddings, attention_bias) against the weights."
             )
+
+
+def _config(config_file: Path) -> dict[str, Any]:
+    """config.json's settings, once they are known to be a JSON object."""
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as err:  # not UTF-8, or not JSON
+        raise HFImportError(f"{config_file} is not JSON ({err}): save the model again with save_pretrained.") from None
+    if not isinstance(config, dict):
+        raise HFImportError(f"{config_file} holds a JSON {type(config).__name__}, not an object of model settings.")
+    return config
 
 
 def _name(path: tuple) -> str:

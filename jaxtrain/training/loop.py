@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtrain.analysis.flops import peak_flops
+from jaxtrain.analysis.flops import peak_flops, peak_too_low
 from jaxtrain.data.datasets import Dataset
 from jaxtrain.run_config import ConfigError, RunConfig
 from jaxtrain.training import run_lock
@@ -96,13 +96,13 @@ def train(
         run = setup(cfg, log, devices, dataset)
         with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
             state, progress = initial_state(run, checkpoints, log)
-            peak, peak_source = peak_flops(
-                list(run.shardings.mesh.devices.flat), getattr(cfg.model, "dtype", "float32")
-            )
+            devices, dtype = list(run.shardings.mesh.devices.flat), getattr(cfg.model, "dtype", "float32")
+            peak, peak_source = peak_flops(devices, dtype)
             log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
             sink = _metrics_sink(cfg, lead, on_metrics, progress, log)
             traced = step_profiler(profiled, cfg.tracking.profile_dir)
-            with Recorder(run, peak, sink) as recorder, stop_signals() as stop, traced as profiler:
+            recorder = Recorder(run, Peak(peak, functools.partial(peak_too_low, devices, dtype), log), sink)
+            with recorder, stop_signals() as stop, traced as profiler:
                 state, preempted = _loop(run, state, progress, checkpoints, recorder, stop, log, profiler)
                 if checkpoints:
                     checkpoints.wait()  # a second Ctrl-C here still exits at once
@@ -128,16 +128,21 @@ def _metrics_sink(
         wandb = WandbSink(t.wandb_project, directory, progress.run, config_json(cfg), t.wandb_mode)
         sync = f" (wandb sync {wandb.files} uploads it)" if wandb.mode == "offline" else ""
         log(f"W&B: {wandb.mode} run {progress.run} of project {t.wandb_project} in {wandb.files}{sync}")
-    return MetricsLog(
-        t.metrics_file or None,
-        cfg.train.steps,
-        cfg.train.progress,
-        tensorboard_dir=t.tensorboard_dir or None,
-        on_record=on_metrics,
-        run=progress.run,
-        start=progress.step,
-        wandb=wandb,
-    )
+    try:
+        return MetricsLog(
+            t.metrics_file or None,
+            cfg.train.steps,
+            cfg.train.progress,
+            tensorboard_dir=t.tensorboard_dir or None,
+            on_record=on_metrics,
+            run=progress.run,
+            start=progress.step,
+            wandb=wandb,
+        )
+    except BaseException:
+        if wandb is not None:  # the W&B run is open already: close it, or its file stays unwritten
+            wandb.close()
+        raise
 
 
 def _loop(
@@ -186,13 +191,7 @@ def _loop(
             recorder.sink.rewind(progress.step)
             continue  # if preempted too, stop: the checkpoint just restored is on disk, and a rerun resumes there
         extra = {"nonfinite_total": progress.nonfinite_total, **run.data_metrics(done + progress.data_offset)}
-        if done % t.log_every == 0 or done == steps:
-            times.check(done)
-        if done % t.eval_every == 0 or done == steps:
-            # Now, before the next step donates the params.
-            recorder.record(done, metrics, extra, functools.partial(evaluate, run, state["params"]))
-        elif done % t.log_every == 0:
-            pending = (done, metrics, extra)
+        pending = _record(run, recorder, times, done, state, metrics, extra)
         # Mid-streak the params are the ones before it; a save then would only hide the older checkpoint.
         if save and (skipped.streak == 0 or done == steps or preempted):
             save_checkpoint(run, checkpoints, state, progress, log)
@@ -202,10 +201,53 @@ def _loop(
     return state, preempted
 
 
-class Recorder:
-    """Turns step metrics into log records with throughput and MFU, and keeps the history."""
+def _record(
+    run: Run, recorder: Recorder, times: StepTimes, done: int, state: Any, metrics: Any, extra: dict[str, float]
+) -> tuple | None:
+    """Record step `done` if it is evaluated, now, before the next step donates the params; return it if it is only
+    logged, to be recorded once the next step runs (reading its metrics then does not stall the device)."""
+    t, steps = run.cfg.train, run.cfg.train.steps
+    logged, evaluated = done % t.log_every == 0 or done == steps, done % t.eval_every == 0 or done == steps
+    if not (logged or evaluated):
+        return None
+    ready = recorder.ready((state, metrics))  # after the next batch is built: that overlapped this step
+    if logged:
+        times.check(done)
+    if not evaluated:
+        return (done, metrics, ready, extra)
+    recorder.record(done, metrics, ready, extra, functools.partial(evaluate, run, state["params"]))
+    return None
 
-    def __init__(self, run: Run, peak: float, sink: MetricsLog):
+
+class Peak:
+    """The peak FLOP/s MFU is reported against. A run whose model FLOP/s exceed it proves it too low (a measurement
+    taken while other work held the cores, a figure given too small): it is then raised to the fastest rate seen, so
+    no MFU exceeds 1, and the log says so once, with why and what to do (`too_low` names the cause and forgets a
+    cached measurement)."""
+
+    def __init__(self, flops: float, too_low: Callable[[float], str], log: Callable[[str], None]):
+        self.flops, self.too_low, self.log, self.raised = flops, too_low, log, False
+
+    def fraction(self, step: int, rate: float) -> float:
+        """`rate` model FLOP/s as a fraction of the peak, raising the peak first if `rate` exceeds it."""
+        if rate > self.flops and not self.raised:
+            self.log(
+                f"step {step}: the model ran at {rate / 1e9:,.1f} GFLOP/s, above the peak of {self.flops / 1e9:,.1f} "
+                f"GFLOP/s: {self.too_low(rate)}. From here on MFU is reported against the fastest rate seen."
+            )
+            self.raised = True
+        self.flops = max(self.flops, rate)
+        return rate / self.flops
+
+
+class Recorder:
+    """Turns step metrics into log records with step time, throughput and MFU, and keeps the history.
+
+    A step's time ends when its outputs are ready (`ready`), not when the call that dispatched it returned: JAX
+    dispatches asynchronously, and on CPU it may also run a step on the calling thread, so a clock read at dispatch
+    hands one step's time to the next."""
+
+    def __init__(self, run: Run, peak: Peak, sink: MetricsLog):
         self.run, self.peak, self.sink = run, peak, sink
         self.history: list[dict[str, Any]] = []
         self.train_time, self.trained_steps = 0.0, 0
@@ -216,25 +258,35 @@ class Recorder:
         self.first_step = self.last_step = step
         self.last_time = time.perf_counter()
 
+    @staticmethod
+    def ready(outputs: Any) -> float:
+        """Wait for a step's `outputs`; the time they were ready, which ends the step's interval."""
+        jax.block_until_ready(outputs)
+        return time.perf_counter()
+
     def record(
         self,
         step: int,
         metrics: dict[str, jax.Array],
+        ready: float,
         extra: dict[str, float] | None = None,
         evaluate: Callable[[], dict[str, float]] | None = None,
     ) -> None:
-        """Log `step`'s metrics with the throughput since the last record, plus `extra` and the metrics `evaluate`
-        returns (run after the clock stops: evaluation is not training time)."""
+        """Log `step`'s metrics with the step time and throughput since the last record (`ready`: when the step's
+        outputs were, from `Recorder.ready`), plus `extra` and the metrics `evaluate` returns (run after the clock
+        stops: evaluation is not training time)."""
         values = {k: float(v) for k, v in to_host(metrics).items()}
-        elapsed, steps = time.perf_counter() - self.last_time, step - self.last_step
+        elapsed, steps = ready - self.last_time, step - self.last_step
         if self.last_step > self.first_step:
             self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + steps
+        values["step_time_s"] = elapsed / steps
         values["tokens_per_sec"] = self.run.tokens_per_step * steps / elapsed
-        values["mfu"] = self.run.flops_per_step * steps / elapsed / self.peak
+        values["mfu"] = self.peak.fraction(step, self.run.flops_per_step * steps / elapsed)
         values.update({**(extra or {}), **(evaluate() if evaluate else {})})
         self.sink.write(step, values)
         self.history.append({"step": step, **values})
-        self.last_step, self.last_time = step, time.perf_counter()  # evaluation time is not training time
+        # The next interval starts where this step's outputs were ready, or after the evaluation, which is not training.
+        self.last_step, self.last_time = step, time.perf_counter() if evaluate else ready
 
     def __enter__(self) -> Recorder:
         return self
@@ -251,6 +303,6 @@ class Recorder:
             "loss": last["loss"],
             **{k: v for k, v in last.items() if k.startswith("val_")},
             "tokens_per_sec": rate * self.run.tokens_per_step,
-            "mfu": rate * self.run.flops_per_step / self.peak,
+            "mfu": rate * self.run.flops_per_step / self.peak.flops,
             "step_time_s": 1 / rate,
         }

@@ -14,6 +14,7 @@ mechanisms: event files named by their run, and a purge of the run's events from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -138,11 +139,14 @@ class MetricsLog:
             self.file.close()
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        self._close_outputs()
-        if self.wandb is not None:
-            self.wandb.close()
+        """Close every output, each even if closing an earlier one failed: TensorBoard's writer flushes its queue and
+        W&B waits for its files (`WandbSink.close`), on every way out of a run."""
+        with contextlib.ExitStack() as closing:  # callbacks run last first: the bar, the file and board, W&B
+            if self.wandb is not None:
+                closing.callback(self.wandb.close)
+            closing.callback(self._close_outputs)
+            if self.bar is not None:
+                closing.callback(self.bar.close)
 
 
 def check_outputs(path: str | None, tensorboard_dir: str | None, run: str) -> None:

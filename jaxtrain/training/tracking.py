@@ -80,4 +80,12 @@ class WandbSink:
         self.run.log(values, step=step)
 
     def close(self) -> None:
+        """Finish the run and wait until its files are written. `finish()` returns once the W&B service has the
+        run's data, and the service writes the run file's last block only when it closes the run, later: on a busy
+        machine a reader (`wandb sync`, a test) found it empty. Shutting the service down waits for that; it is
+        skipped while another W&B run of this process is still open (it would end that run too), and the next
+        `wandb.init` starts a new service."""
         self.run.finish()
+        wandb = wandb_module()
+        if wandb.run is None:
+            wandb.teardown()

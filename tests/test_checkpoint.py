@@ -253,7 +253,7 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT)
         wait_until(lambda: has_rows(metrics, 3), process, errors)
         process.send_signal(signal.SIGINT)
-        wait_until(lambda: "SIGINT received: stopping after this step" in errors.read_text(), process, errors)
+        wait_until(lambda: "SIGINT: stopping after this step" in errors.read_text(), process, errors)
         process.send_signal(signal.SIGINT)
         process.wait(timeout=30)
     assert process.returncode == 130 and "Traceback" not in errors.read_text()

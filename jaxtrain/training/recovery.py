@@ -405,7 +405,7 @@ def stop_signals() -> Iterator[StopRequest]:
             os._exit(128 + signal.SIGINT)
         if not request.is_set():
             name = signal.Signals(signum).name
-            tell(f"{name} received: stopping after this step; Ctrl-C again exits at once without saving")
+            tell(f"{name}: stopping after this step; Ctrl-C again exits at once without saving")
         request.signum = request.signum or signum
         if several:
             os.kill(os.getpid(), signal.SIGTERM)

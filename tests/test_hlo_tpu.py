@@ -188,3 +188,23 @@ def test_gpt_1b_on_a_v5p_128_gathers_through_windowed_einsums():
     weights = 2 * layers * layer_bytes(run, 2, 4) + head_bytes(run, 2, 4)
     ring = (fsdp - 1) / fsdp * weights
     assert ring < report.measured(("fsdp",), ("all-gather",)) <= (fsdp + 1) / (fsdp - 1) * ring
+
+
+def test_fsdp_across_a_whole_v5p_torus_gathers_each_weight_once_and_reduces_bf16_gradients():
+    """Over all 64 chips of v5p:4x4x4, a torus, every FSDP weight is all-gathered: (N-1)/N of its bf16 bytes per
+    gather. (Compiled for an open 4x4x4 mesh, libtpu's default topology, each gather was an all-reduce of a
+    zero-filled buffer, 2(N-1)/N.) The tied table's gradient is reduced in bf16, as the layers' are (it was float32:
+    four times the bytes)."""
+    # A vocabulary and sequence large enough for the chunked loss's loop (2 chunks), whose table gradient this is.
+    overrides = ("dtype=bfloat16", "d_model=256", "n_layers=3", "vocab_size=65536", "batch_size=64", "seq_len=512")
+    run = aot_run(aot_target("v5p:4x4x4"), "fsdp=64", overrides, "llama-tiny")
+    layers, fsdp = run.cfg.model.n_layers, run.shardings.mesh.shape["fsdp"]
+    table = run.shardings.abstract_state["params"]["embedding"]
+    table_bytes = table.size * 2
+    report = communication_report(run.train_step, run.shardings.mesh)
+    ring = (fsdp - 1) / fsdp
+    # In each layer, forward and backward, each block weight once; the table once (the lookup and the tied head).
+    weights = 2 * layers * layer_bytes(run, itemsize=2) + table_bytes
+    assert report.measured(("fsdp",), ("all-gather",)) == pytest.approx(ring * weights, rel=0.05)
+    gradients = layers * layer_bytes(run, itemsize=2) + table_bytes
+    assert report.measured(("fsdp",), ("all-reduce",)) == pytest.approx(2 * ring * gradients, rel=0.05)

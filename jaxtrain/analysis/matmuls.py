@@ -55,7 +55,7 @@ def matmuls(hlo_text: str) -> list[Matmul]:
     """
     module = parse_module(hlo_text)
     executions, uncounted = loop_multiplicity(module)
-    inexact = uncounted | _under_branches(module)
+    inexact = uncounted | under_branches(module)
     found = []
     for computation, body in module.computations.items():
         for instruction in body.values():
@@ -87,8 +87,9 @@ def matmuls(hlo_text: str) -> list[Matmul]:
     return found
 
 
-def _under_branches(module: Module) -> set[str]:
-    """The computations a `conditional`'s branches run, directly or through further calls."""
+def under_branches(module: Module) -> set[str]:
+    """The computations a `conditional`'s branches run, directly or through further calls. Which branch runs is known
+    only when the program runs (a pipeline tick's work), so what they hold counts as if every branch ran: inexact."""
     found: set[str] = set()
     pending = [
         branch

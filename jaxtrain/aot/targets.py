@@ -155,7 +155,7 @@ def _tpu_target(name: str, chip_name: str, dims: Sequence[int], slices: int) -> 
             "pip install 'jaxtrain[tpu-aot]' (it compiles for TPU topologies without the hardware)."
         )
     _libtpu_without_a_tpu_vm(chip_name, math.prod(dims))
-    kwargs = {"num_slices": slices} if slices > 1 else {}
+    kwargs = {"wrap": wraparound(chip_name, dims), **({"num_slices": slices} if slices > 1 else {})}
     try:
         topology = topologies.get_topology_desc(
             topology_name=f"{chip_name}:{'x'.join(map(str, dims))}", platform="tpu", **kwargs
@@ -163,6 +163,17 @@ def _tpu_target(name: str, chip_name: str, dims: Sequence[int], slices: int) -> 
     except Exception as err:  # libtpu reports an unknown topology as a JaxRuntimeError: INVALID_ARGUMENT
         raise TargetError(f"libtpu does not know the topology '{name}': {str(err).splitlines()[0]}") from None
     return Target(name, "tpu", CHIPS[chip_name], tuple(topology.devices), slices)
+
+
+def wraparound(chip_name: str, dims: Sequence[int]) -> tuple[bool, bool, bool]:
+    """Which sides of a TPU slice close into rings, as Google's system characteristics list them (XPK; MaxText's
+    accelerator_to_spec_map): a v4 or v5p slice whose every side is a multiple of 4 is a torus (whole cubes joined
+    by optical switches), a smaller one an open mesh; v5e and v6e close a side of 16 chips. libtpu's default is an
+    open mesh, and over one it compiles a gather across the whole slice as an all-reduce of a zero-filled buffer:
+    twice the bytes of the all-gather it compiles over the torus the hardware has."""
+    if chip_name in ("v4", "v5p"):
+        return (all(d % 4 == 0 for d in dims),) * 3
+    return (*(d == 16 for d in dims), False)
 
 
 def _libtpu_without_a_tpu_vm(chip_name: str, chips: int) -> None:

@@ -161,7 +161,16 @@ def _loss_sum_fwd(hidden, head, targets, weights, head_layout):
         return head_grad + _per_shard_head_grad(chunk_grad, head_layout), (losses, hidden_grad)
 
     head_grad, (losses, hidden_grad) = jax.lax.scan(chunk, head_grad, (hidden, targets, weights))
-    return jnp.sum(weights * losses), (hidden_grad, jnp.sum(head_grad, axis=0).astype(head.dtype), losses)
+    head_grad = _sum_over_shards(head_grad, head_c.dtype, head, head_layout)
+    return jnp.sum(weights * losses), (hidden_grad, head_grad, losses)
+
+
+def _sum_over_shards(head_grad: jax.Array, dtype: jnp.dtype, head: jax.Array, head_layout: HeadLayout) -> jax.Array:
+    """The batch shards' partial head gradients (S, ...) summed in the compute dtype, as the layers' weight gradients
+    are (their matmuls' results), into the head's own layout: a reduce-scatter of half the bytes of the float32
+    all-reduce that summing to a whole gradient compiles to (Llama 3.2 1B's tied table at fsdp=64: 1.97 GiB)."""
+    summed = jnp.sum(head_grad.astype(dtype), axis=0)
+    return constrain(summed, _HEAD_NAMES[head_layout], like_params=True).astype(head.dtype)
 
 
 def _compute_head(head: jax.Array, dtype: jnp.dtype, head_layout: HeadLayout) -> jax.Array:

@@ -427,13 +427,56 @@ def plan_main(argv: Sequence[str]) -> int:
         "chips in the mesh (default: the --aot-topology's, the layout's size, or this machine's)",
     )
     parser.add_argument("--no-check", action="store_true", help="do not compile the step, even with enough devices")
+    _search_flags(parser)
     args = _train_args(argv, parser)
     from jaxtrain.planner import plan_report
+    from jaxtrain.planner.search import search_report
 
+    if args.search and args.mesh:
+        raise UserInputError(f"--search chooses the mesh: drop --mesh {args.mesh}.")
+    if not args.search and (args.write_mesh or args.write_config or args.compile_best):
+        raise UserInputError("--write-mesh, --write-config and --compile-best go with --search: add it.")
     cfg = _run_config(args)
-    if cfg is not None:
+    if cfg is not None and args.search:
+        report = search_report(
+            cfg,
+            args.chip,
+            args.devices,
+            check=not args.no_check,
+            aot_topology=args.aot_topology,
+            compile_best=args.compile_best or 3,
+            mesh_path=args.write_mesh,
+            config_path=args.write_config,
+            log=lambda line: print(line, file=sys.stderr, flush=True),  # progress
+        )
+        print(report)
+    elif cfg is not None:
         print(plan_report(cfg, args.chip, args.devices, not args.no_check, args.aot_topology))
     return 0
+
+
+def _search_flags(parser: argparse.ArgumentParser) -> None:
+    search = parser.add_argument_group("--search: choose the layout (docs/planning.md)")
+    search.add_argument(
+        "--search",
+        action="store_true",
+        help="instead of one mesh, try every mesh of the chips with the model's remat policies, gradient "
+        "accumulations and pipeline microbatches; print those that fit, fastest first; compile the best for the "
+        "--aot-topology target (or this process's devices) until one fits, and choose it",
+    )
+    search.add_argument(
+        "--compile-best",
+        type=flag_type(at_least=1),
+        metavar="N",
+        help="with --search: compile at most the N best layouts, in rank order, to find one that fits (default 3)",
+    )
+    search.add_argument("--write-mesh", metavar="PATH", help="with --search: write the chosen mesh as a TOML layout")
+    search.add_argument(
+        "--write-config",
+        metavar="PATH",
+        help="with --search: write the chosen run config (the keys that differ from the preset, and the mesh: the "
+        "--write-mesh file, else inline) as TOML for jaxtrain train --config",
+    )
 
 
 @command

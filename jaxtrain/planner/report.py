@@ -41,14 +41,14 @@ def plan_report(
             raise TargetError(f"--no-check skips the compile --aot-topology {aot_topology} asks for: drop one.")
         target = target_for(layout, aot_topology, chip_name, devices)  # before anything else starts JAX
         est = estimate(cfg, target.chip, len(target.devices), layout)
-        return _with_check(est, *_target_check(cfg, est, target))
+        return _with_check(est, *target_check(cfg, est, target))
     if devices is None:
         devices = _layout_devices(cfg.mesh, layout)
     spec = chip(chip_name) if chip_name else chip_for_device_kind(jax.devices()[0].device_kind)
     if spec is None:
         raise ChipError(f"say which chip to plan for with --chip: one of {', '.join(CHIPS)}.")
     est = estimate(cfg, spec, devices, layout)
-    return _with_check(est, *_local_check(cfg, est, check))
+    return _with_check(est, *local_check(cfg, est, check))
 
 
 def _layout_devices(name: str, layout: MeshLayout) -> int:
@@ -69,7 +69,7 @@ def _layout_devices(name: str, layout: MeshLayout) -> int:
     return jax.device_count()
 
 
-def _local_check(cfg: RunConfig, est: Estimate, check: bool) -> tuple[Measured | None, list[str]]:
+def local_check(cfg: RunConfig, est: Estimate, check: bool) -> tuple[Measured | None, list[str]]:
     """The step compiled on this process's devices, when it has enough."""
     if not check:
         return None, ["check: skipped (--no-check)"]
@@ -88,7 +88,7 @@ def _with_check(est: Estimate, measured: Measured | None, check: Sequence[str]) 
     return "\n".join([format_estimate(est, fits_with(est), measured), *check])
 
 
-def _target_check(cfg: RunConfig, est: Estimate, target: Target) -> tuple[Measured | None, list[str]]:
+def target_check(cfg: RunConfig, est: Estimate, target: Target) -> tuple[Measured | None, list[str]]:
     """The step compiled for `target`: the compiler's memory per device and the fit verdict from it, or the
     compiler's refusal."""
     try:
@@ -173,10 +173,11 @@ def _time_lines(est: Estimate) -> list[str]:
         f"time per step (roofline of {c.name}: {c.peak_bf16 / 1e12:.0f} TFLOP/s bf16, HBM "
         f"{c.hbm_bw / 1e9:.0f} GB/s, fast links {c.ici_bw / 1e9:.0f} GB/s, slow links {c.dcn_bw / 1e9:.2f} GB/s "
         "per chip)",
-        f"  compute        {est.flops:.3e} FLOPs ({est.model_flops:.3e} model FLOPs{traced}) {_ms(est.compute_s)}",
-        f"  HBM traffic    {fmt_bytes(est.hbm_bytes)} {_ms(est.memory_s)}",
-        f"  communication  fast links {_ms(fast)}, slow links {_ms(slow)}",
-        f"  step           {_ms(hidden)} (communication hidden) to {_ms(exposed)} (none hidden); "
+        f"  compute        {est.flops:.3e} FLOPs ({est.model_flops:.3e} model FLOPs{traced}) "
+        f"{format_ms(est.compute_s)}",
+        f"  HBM traffic    {fmt_bytes(est.hbm_bytes)} {format_ms(est.memory_s)}",
+        f"  communication  fast links {format_ms(fast)}, slow links {format_ms(slow)}",
+        f"  step           {format_ms(hidden)} (communication hidden) to {format_ms(exposed)} (none hidden); "
         f"MFU {est.mfu[1]:.0%} to {est.mfu[0]:.0%}",
     ]
 
@@ -189,11 +190,11 @@ def _verdict(est: Estimate, changes: Sequence[tuple[str, Estimate]]) -> list[str
         return [*lines, "  no change tried fits (more FSDP, remat, gradient accumulation): use more chips"]
     lines.append("  changes that fit, re-estimated (fastest first):")
     for label, e in changes:
-        lines.append(f"    {label}: peak {fmt_bytes(e.memory.peak)}, step {_ms(e.step_s[1])}, MFU {e.mfu[1]:.0%}")
+        lines.append(f"    {label}: peak {fmt_bytes(e.memory.peak)}, step {format_ms(e.step_s[1])}, MFU {e.mfu[1]:.0%}")
     return lines
 
 
-def _ms(seconds: float) -> str:
+def format_ms(seconds: float) -> str:
     """Milliseconds, or microseconds below one (a small model's step would read 0.00 ms)."""
     return f"{seconds * 1e3:,.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:,.2f} us"
 

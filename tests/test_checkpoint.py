@@ -194,10 +194,7 @@ def train_command(directory: Path, metrics: Path, steps: int = 20) -> list[str]:
 def start_and_wait(command: list[str], ready) -> subprocess.Popen:
     """Start `command` and return once `ready()` holds."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    deadline = time.time() + 120
-    while time.time() < deadline and not ready():
-        assert process.poll() is None, process.communicate()[1]
-        time.sleep(0.05)
+    wait_until(ready, process, lambda: (process.kill(), process.communicate()[1])[1])
     return process
 
 
@@ -220,12 +217,15 @@ def test_a_signal_saves_and_the_rerun_continues_exactly(signum, tmp_path):
     one's checkpoints are untouched."""
     metrics, directory = tmp_path / "m.jsonl", tmp_path / "ckpt"
     process = start_and_wait(train_command(directory, metrics), lambda: (directory / "5").is_dir())
+    # Paused while a second run is refused: on an idle machine the remaining steps take less time than that check.
+    process.send_signal(signal.SIGSTOP)
     complete = {p.name: digest(p) for p in directory.iterdir() if p.name.isdigit()}
     with pytest.raises(RunLockedError, match=f"is in use: pid {process.pid} on host"):
         run_train("data=8", directory, extra=["steps=20"], log=lambda line: pytest.fail(f"got as far as: {line}"))
     kept = {name: digest(directory / name) for name in complete if (directory / name).is_dir()}
     assert kept and kept == {name: complete[name] for name in kept}  # (retention may have removed an old one)
-    process.send_signal(signum)
+    process.send_signal(signum)  # pending until the process runs again
+    process.send_signal(signal.SIGCONT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signum, stderr
     assert "Traceback" not in stderr
@@ -251,9 +251,9 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
     with errors.open("w") as stderr:
         command = train_command(directory, metrics, steps=400)
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT)
-        wait_until(lambda: has_rows(metrics, 3), process, errors)
+        wait_until(lambda: has_rows(metrics, 3), process, errors.read_text)
         process.send_signal(signal.SIGINT)
-        wait_until(lambda: "SIGINT: stopping after this step" in errors.read_text(), process, errors)
+        wait_until(lambda: "SIGINT: stopping after this step" in errors.read_text(), process, errors.read_text)
         process.send_signal(signal.SIGINT)
         process.wait(timeout=30)
     assert process.returncode == 130 and "Traceback" not in errors.read_text()
@@ -262,10 +262,11 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
     assert all(step % 5 == 0 for step in saved), saved  # the periodic saves only, none for the stop
 
 
-def wait_until(ready, process: subprocess.Popen, errors: Path) -> None:
+def wait_until(ready, process: subprocess.Popen, describe) -> None:
+    """Return once `ready()` holds; fail, with `describe()` (the process's stderr), if it exits or 120 s pass."""
     deadline = time.time() + 120
     while not ready():
-        assert process.poll() is None and time.time() < deadline, errors.read_text()
+        assert process.poll() is None and time.time() < deadline, describe()
         time.sleep(0.01)
 
 

@@ -41,6 +41,7 @@ from flax import nnx
 from jaxtrain.errors import ConfigError
 from jaxtrain.ops.attention import CONTEXT_PARALLEL, IMPLEMENTATIONS, attention, masked_attention
 from jaxtrain.ops.cross_entropy import output_cross_entropy
+from jaxtrain.ops.embedding import lookup
 from jaxtrain.ops.plain import KERNELS, KERNELS_HELP
 from jaxtrain.ops.projection import REMAT_POLICIES, project
 from jaxtrain.ops.sequence import next_tokens, segment_positions
@@ -350,7 +351,7 @@ class GPT(nnx.Module):
         return scan_layers(layer, self.embed(tokens), block_params)
 
     def embed(self, tokens: jax.Array) -> jax.Array:  # tokens: (B, T) -> (B, T, D) in the compute dtype
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        x = lookup(self.embedding[...], tokens, jnp.dtype(self.cfg.dtype))
         return constrain(x, ("batch", "seq", "embed"))
 
     def context(

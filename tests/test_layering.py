@@ -48,6 +48,7 @@ MODEL_IMPORTS = {
     "jaxtrain.ops.cross_entropy",
     "jaxtrain.ops.plain",
     "jaxtrain.ops.projection",
+    "jaxtrain.ops.embedding",
     "jaxtrain.ops.sequence",
 }
 LOOP_ONLY = {  # what the planner must not reach: the loop and the runtime around it

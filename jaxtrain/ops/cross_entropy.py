@@ -169,7 +169,7 @@ def _sum_over_shards(head_grad: jax.Array, dtype: jnp.dtype, head: jax.Array, he
     """The batch shards' partial head gradients (S, ...) summed in the compute dtype, as the layers' weight gradients
     are (their matmuls' results), into the head's own layout: half the bytes of summing them in float32
     (docs/benchmarks.md, "Compiled step against MaxText's")."""
-    summed = jnp.sum(head_grad.astype(dtype), axis=0)
+    summed = jnp.sum(head_grad.astype(dtype), axis=0, dtype=dtype)  # jnp.sum would sum bfloat16 in float32
     return constrain(summed, _HEAD_NAMES[head_layout], like_params=True).astype(head.dtype)
 
 

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from jaxtrain.analysis.chips import Chip
+from jaxtrain.aot.targets import TPU_CHIPS, TargetError, auto_target, parse_target, wraparound
 from jaxtrain.data.datasets import make_dataset, model_data_args
 from jaxtrain.errors import UserInputError
 from jaxtrain.ops.plain import plain_kernels
@@ -47,6 +48,7 @@ from jaxtrain.parallel.pipeline import PipelineError, StageLayout
 from jaxtrain.placement.place import place_model
 from jaxtrain.placement.shardings import Shardings
 from jaxtrain.planner.context import context_attention_bytes
+from jaxtrain.planner.loss import ChunkedLoss, chunked_loss
 from jaxtrain.planner.stages import (
     Stages,
     pipeline_microbatches,
@@ -62,6 +64,7 @@ from jaxtrain.planner.weights import Runs, gathered_layer_bytes, weight_transfer
 from jaxtrain.registry import resolve_model
 from jaxtrain.run_config import RunConfig, apply_overrides
 from jaxtrain.sharding.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
+from jaxtrain.sharding.rules import is_logical_names
 from jaxtrain.training.optim import make_optimizer
 from jaxtrain.training.setup import update_policy, with_data_vocab
 
@@ -180,13 +183,15 @@ def estimate(
     batch = shardings.abstract_batch(shapes, accum)  # checks the batch divides
     micro = pipeline_microbatches(cfg, shardings.mesh.shape["pipeline"])
     _check_microbatches(shapes, accum, micro)
-    step = StepTrace(shardings, shapes, accum * micro, tiled=compiler == "tpu")
+    loss = _chunked_loss(cfg, shardings, shapes, accum * micro, compiler) if task == "lm" else None
+    step = StepTrace(shardings, shapes, accum * micro, tiled=compiler == "tpu", chunked_loss=loss)
     stages = plan_stages(cfg, step) if shardings.mesh.shape["pipeline"] > 1 else None
+    torus = _torus_axes(chip, layout, devices) if compiler == "tpu" else frozenset()
     if stages is not None:
         shardings = _abstract_shardings(cfg, layout, devices, stages.layout)  # the params as the stages store them
-        work = _pipelined(shardings, step, stages, accum, compiler)
+        work = _pipelined(shardings, step, stages, accum, compiler, torus)
     else:
-        work = _unpipelined(shardings, step, accum)
+        work = _unpipelined(shardings, step, accum, torus, compiler)
     memory = _memory(shardings, batch, step, work, accum)
     transfers = [*work.transfers, *context_attention_bytes(cfg, shardings)]
     model_flops, traced = _model_flops(cfg, task, step, devices)
@@ -219,19 +224,35 @@ class _Work:
     working: float
 
 
-def _unpipelined(shardings: Shardings, step: StepTrace, accum: int) -> _Work:
+def _unpipelined(shardings: Shardings, step: StepTrace, accum: int, torus: frozenset[str], compiler: str) -> _Work:
     """The traced microbatch `accum` times over, its weights travelling as `Runs.unpipelined` says."""
     tally = (step.gradient["layers"] + step.gradient["rest"]) * accum
-    weights = weight_transfers(shardings, Runs.unpipelined(accum), *step.weight_uses())
+    weights = weight_transfers(
+        shardings,
+        Runs.unpipelined(accum),
+        *step.weight_uses(compiler),
+        whole_torus=torus,
+        reduced_as=_heads(shardings, step),
+        compiler=compiler,
+    )
     return _Work(
         tally.flops, tally.matmul_bytes, [*weights, *tally.transfers], step.saved_bytes(), step.working_bytes()
     )
 
 
-def _pipelined(shardings: Shardings, step: StepTrace, stages: Stages, accum: int, compiler: str) -> _Work:
+def _pipelined(
+    shardings: Shardings, step: StepTrace, stages: Stages, accum: int, compiler: str, torus: frozenset[str]
+) -> _Work:
     """The traced pipeline microbatch through the schedule's ticks (`jaxtrain.planner.stages`), `accum` times."""
     tally = pipelined_work(step, stages) * accum
-    weights = weight_transfers(shardings, stages.weight_runs(accum), *step.weight_uses())
+    weights = weight_transfers(
+        shardings,
+        stages.weight_runs(accum),
+        *step.weight_uses(compiler),
+        whole_torus=torus,
+        reduced_as=_heads(shardings, step),
+        compiler=compiler,
+    )
     transfers = [*weights, *tally.transfers, *stage_transfers(step, shardings, stages, accum)]
     return _Work(tally.flops, tally.matmul_bytes, transfers, *pipelined_memory(step, stages, compiler))
 
@@ -251,10 +272,22 @@ def _abstract_shardings(
     """The run's plan on an abstract mesh of `devices`: the same shardings a real run gets, nothing allocated;
     `stages`: the pipeline's stage layout (how the stacked layers are stored). The model computes with plain kernels
     (`jaxtrain.ops.plain`): loops under custom gradients are not read, their plain math is."""
-    model = plain_kernels(cfg.model)
+    model = _traceable(plain_kernels(cfg.model))
     placed = place_model(cfg.model_name, model, layout, cfg.rules, mesh=abstract_mesh(layout, devices))
     optimizer, _ = make_optimizer(cfg.optimizer, cfg.train.steps, placed.model.logical_names)
     return placed.shardings(optimizer, stages, update_policy(cfg, placed.mesh))
+
+
+def _traceable(model_config: object) -> object:
+    """`model_config` with a kernel that runs on one platform only (splash, cuDNN) traced as `chunked`: the trace
+    runs on this machine's backend, which refuses them, and under plain kernels every fused implementation computes
+    as the same recomputed reference (`jaxtrain.ops.plain`), so the choice changes nothing the planner reads."""
+    if getattr(model_config, "attention", None) in _ONE_PLATFORM_KERNELS:
+        return dataclasses.replace(model_config, attention="chunked")
+    return model_config
+
+
+_ONE_PLATFORM_KERNELS = ("splash", "cudnn")
 
 
 def _batch_shapes(cfg: RunConfig, task: str) -> dict[str, jax.ShapeDtypeStruct]:
@@ -263,6 +296,45 @@ def _batch_shapes(cfg: RunConfig, task: str) -> dict[str, jax.ShapeDtypeStruct]:
         "synthetic", task, seed=cfg.train.seed, seq_len=cfg.data.seq_len, **model_data_args(cfg.model)
     )
     return dataset.shapes(cfg.data.batch_size)
+
+
+def _heads(shardings: Shardings, step: StepTrace) -> dict[int, tuple[str, int]]:
+    """Per output head (a param with a vocabulary dim that a matmul takes), how the chunked loss reduces its
+    gradient over the FSDP axes (`jaxtrain.planner.loss`); none without a chunked loss."""
+    reduction = step.chunked_loss.head_reduction if step.chunked_loss is not None else None
+    if reduction is None:
+        return {}
+    names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
+    return {i: reduction for i, ns in enumerate(names) if "vocab" in ns and i in step.multiplied}
+
+
+def _chunked_loss(
+    cfg: RunConfig, shardings: Shardings, shapes: Mapping[str, jax.ShapeDtypeStruct], pieces: int, compiler: str
+) -> ChunkedLoss | None:
+    """The chunked loss's memory (`jaxtrain.planner.loss`) for one microbatch's rows and positions on a device."""
+    mesh, rules = shardings.mesh, shardings.rules
+    rows = next(iter(shapes.values())).shape[0] / pieces / math.prod(mesh.shape[a] for a in rules.batch_axes())
+    positions = cfg.data.seq_len // math.prod(mesh.shape[a] for a in rules.activations.get("seq", ()))
+    vocab_axes = [a for a in rules.activations.get("vocab", ()) if mesh.shape[a] > 1]
+    return chunked_loss(cfg.model, rows, positions, mesh.shape, vocab_axes, compiler)
+
+
+def _torus_axes(chip: Chip, layout: MeshLayout, devices: int) -> frozenset[str]:
+    """The mesh axes that together span each whole TPU slice when its sides all close into rings, as the standard
+    slice for the chip count is laid out (a v4 or v5p slice of whole 4x4x4 cubes: `aot.targets.wraparound`); none
+    otherwise. Over such a group XLA:TPU reduces a gradient by an all-reduce and keeps each device's part, where it
+    reduce-scatters over a part of the slice or an open one (compiled: llama-1b and a 2-layer d_model 256 or 2048
+    model at fsdp=64 on v5p:4x4x4 all-reduce every layer's gradient; fsdp=8 on the open v5p:2x2x2 and llama-8b's
+    fsdp=32 of v5p:4x4x8 reduce-scatter)."""
+    ici, dcn = layout.resolve(devices)
+    slices = math.prod(dcn.values())
+    try:
+        chip_name, dims = parse_target(auto_target(chip, devices, slices))
+    except TargetError:  # not a standard slice: no torus assumed
+        return frozenset()
+    if chip_name not in TPU_CHIPS or not all(wraparound(chip_name, dims)):
+        return frozenset()
+    return frozenset(a for a, n in ici.items() if n > 1 and dcn[a] == 1)
 
 
 def platform_of(chip: Chip) -> str:
@@ -281,7 +353,7 @@ def _memory(shardings: Shardings, batch: object, step: StepTrace, work: _Work, a
         batch=_held(batch, tiled),
         grads=params * (2 if accum > 1 else 1),
         activations=work.activations,
-        working=work.working + gathered_layer_bytes(shardings, step.used),
+        working=work.working + gathered_layer_bytes(shardings, step.used, {**step.use_itemsize, **step.multiplied}),
     )
 
 

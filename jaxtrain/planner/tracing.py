@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +25,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in
 from jaxtrain.analysis.comm_report import SEND_SHARE
 from jaxtrain.placement.shardings import Shardings
 from jaxtrain.planner.layouts import Flow, Shares, Spec, body_of, scan_parts, spec_entries, walk
+from jaxtrain.planner.loss import ChunkedLoss
 from jaxtrain.planner.residuals import held_residuals
 from jaxtrain.planner.transfers import Transfer
 from jaxtrain.planner.weights import params_in_use
@@ -42,12 +43,16 @@ _MATMULS = ("dot_general", "conv_general_dilated")
 class Lookup:
     """The rows looked up in one table (a parameter a gather indexes) per microbatch."""
 
-    rows: float = 0.0  # bytes of the rows one device looks up, in the table's dtype
+    rows: float = 0.0  # bytes of the rows one device looks up, in the dtype it looks them up in
+    row_itemsize: int = 4  # bytes per element of that dtype
     cotangent_itemsize: int = 4  # bytes per element of the rows' gradient: the dtype they are cast to after the lookup
 
-    def cotangent_bytes(self, table_itemsize: int) -> float:
-        """Bytes of the rows' gradient."""
-        return self.rows * self.cotangent_itemsize / table_itemsize
+    def cotangent_bytes(self, table_itemsize: int, compiler: str) -> float:
+        """Bytes of the rows' gradient as it travels: in the dtype the rows are used in, but on TPU in the table's,
+        to which XLA:TPU casts it before it leaves the device (compiled: a bfloat16 lookup into a float32 table,
+        `jaxtrain.ops.embedding`, sends its rows' gradients as float32 on v5p:2x2x2 and as bfloat16 on h100:8)."""
+        itemsize = table_itemsize if compiler == "tpu" else self.cotangent_itemsize
+        return self.rows * itemsize / self.row_itemsize
 
 
 @dataclasses.dataclass
@@ -77,9 +82,14 @@ class StepTrace:
     `Tally` for one microbatch. `tiled`: memory is counted as XLA:TPU stores arrays."""
 
     def __init__(
-        self, shardings: Shardings, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, tiled: bool = False
+        self,
+        shardings: Shardings,
+        shapes: Mapping[str, jax.ShapeDtypeStruct],
+        accum: int,
+        tiled: bool = False,
+        chunked_loss: ChunkedLoss | None = None,
     ):
-        self.shardings, self.accum = shardings, accum
+        self.shardings, self.accum, self.chunked_loss = shardings, accum, chunked_loss
         self.shares = dataclasses.replace(_shares(shardings, shapes, accum), tiled=tiled)
         self.param_specs = params_in_use(shardings)
         # Per param: the share of it a device holds over the share it uses (below 1 where FSDP gathers it).
@@ -110,47 +120,64 @@ class StepTrace:
         return sum(self.saved_split())
 
     def saved_split(self) -> tuple[float, float]:
-        """`saved_bytes` of the layer stack's loop, and of the rest."""
-        return self._residual_bytes(self.loss, self.args, self.param_specs)
+        """`saved_bytes` of the layer stack's loop, and of the rest; with a `chunked_loss`, what it keeps in place
+        of the trace's whole logits and what the softmax keeps of them (the residuals outside loops with a dim of
+        the vocabulary's size)."""
+        layers, rest, logits = self._residual_bytes(self.loss, self.args, self.param_specs)
+        if self.chunked_loss is None:
+            return layers, rest + logits
+        return layers, rest + self.chunked_loss.kept
 
     def working_bytes(self) -> float:
-        """The residuals of the largest loop body or remat region run as a function of its own, without its remat
-        policy: what the backward pass of one layer holds (recomputed under remat) besides the saved residuals."""
-        sizes = [0.0]
-        for eqn, _ in walk(self.loss_jaxpr):
-            if (eqn.primitive.name == "scan" or eqn.primitive.name in _REMAT) and not body_of(eqn).constvars:
-                body = body_of(eqn)
-                args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
-                sizes.append(sum(self._residual_bytes(jaxpr_as_fun(ClosedJaxpr(body, [])), args)))
+        """What the backward pass of one layer holds (recomputed under remat) besides the saved residuals: the
+        residuals of the largest loop body or remat region (`_working_regions`) run as a function of its own,
+        without its remat policy; or a `chunked_loss`'s while it runs, where larger."""
+        sizes = [0.0 if self.chunked_loss is None else self.chunked_loss.working]
+        for body in _working_regions(self.loss_jaxpr):
+            args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
+            sizes.append(sum(self._residual_bytes(jaxpr_as_fun(ClosedJaxpr(body, [])), args)))
         return max(sizes)
 
     def forward_flops(self) -> float:
         """Per-device FLOPs of the forward pass's matmuls and convolutions per step (all microbatches)."""
         return (self.forward["layers"].flops + self.forward["rest"].flops) * self.accum
 
-    def _residual_bytes(self, fn: Any, args: Sequence[Any], param_specs: Sequence[Spec] = ()) -> tuple[float, float]:
+    def _residual_bytes(
+        self, fn: Any, args: Sequence[Any], param_specs: Sequence[Spec] = ()
+    ) -> tuple[float, float, float]:
         """Per-device bytes of what `jax.vjp(fn, *args)` keeps for the backward pass that a compiler holds
-        (`jaxtrain.planner.residuals`), not counting its inputs: those a loop stacks, and the others."""
+        (`jaxtrain.planner.residuals`), not counting its inputs: those a loop stacks, the others with a dim of the
+        vocabulary's size (where the model has one: logits), and the rest."""
         closed = self._trace(lambda *a: jax.vjp(fn, *a)[1], args)
         flow = Flow(self.shares, closed.jaxpr, param_specs)
         for _ in walk(closed.jaxpr, flow=flow):
             pass
         inputs = set(closed.jaxpr.invars)
         kept = dict.fromkeys(v for v in closed.jaxpr.outvars if not isinstance(v, Literal) and v not in inputs)
-        split = [0.0, 0.0]
+        looped_bytes = rest = logits = 0.0
+        vocab = self.chunked_loss.vocab if self.chunked_loss is not None else None
         for v, param, looped in held_residuals(closed.jaxpr, kept, flow):
-            split[not looped] += self.shares.held(v.aval, flow.of(v)) * (
-                1.0 if param is None else self._gathered[param]
-            )
-        return split[0], split[1]
+            held = self.shares.held(v.aval, flow.of(v)) * (1.0 if param is None else self._gathered[param])
+            if looped:
+                looped_bytes += held
+            elif vocab in getattr(v.aval, "shape", ()):
+                logits += held
+            else:
+                rest += held
+        return looped_bytes, rest, logits
 
-    def weight_uses(self) -> tuple[dict[int, set[str]], dict[int, int], dict[int, tuple[float, float]]]:
+    def weight_uses(
+        self, compiler: str
+    ) -> tuple[dict[int, set[str]], dict[int, int], dict[int, tuple[float, float]], dict[int, int]]:
         """What `jaxtrain.planner.weights.weight_transfers` needs of the step: per param, the axes splitting the
         rows it meets and the dtype it is used in; per table, the bytes of the rows looked up and of their
-        gradients (per microbatch)."""
+        gradients as `compiler` sends them (per microbatch); per param a matmul or convolution takes, the dtype it
+        takes it in."""
         leaves = jax.tree.leaves(self.shardings.abstract_state["params"])
-        tables = {i: (t.rows, t.cotangent_bytes(np.dtype(leaves[i].dtype).itemsize)) for i, t in self.tables.items()}
-        return self.used, self.use_itemsize, tables
+        tables = {
+            i: (t.rows, t.cotangent_bytes(np.dtype(leaves[i].dtype).itemsize, compiler)) for i, t in self.tables.items()
+        }
+        return self.used, self.use_itemsize, tables, self.multiplied
 
     def transfers(self) -> list[Transfer]:
         """The collectives the traced step's activations imply, per step (every microbatch's)."""
@@ -180,6 +207,7 @@ class StepTrace:
         flow = Flow(self.shares, jaxpr, self.param_specs)
         self.used: dict[int, set[str]] = collections.defaultdict(set)  # param -> axes splitting its inputs' rows
         self.use_itemsize: dict[int, int] = {}  # param -> bytes per element where it is used (after any cast)
+        self.multiplied: dict[int, int] = {}  # param -> bytes per element where a matmul or convolution takes it
         self.tables: dict[int, Lookup] = {}  # param -> the rows looked up in it
         self._looked_up: dict[Any, int] = {}  # a lookup's result -> the table
         self._returned_as: dict[Any, Any] = {}  # a call's result inside it -> outside
@@ -255,6 +283,8 @@ class StepTrace:
             for v in taken:
                 itemsize = np.dtype(v.aval.dtype).itemsize
                 self.use_itemsize[flow.param[v]] = max(itemsize, self.use_itemsize.get(flow.param[v], 0))
+                if eqn.primitive.name in _MATMULS:
+                    self.multiplied[flow.param[v]] = max(itemsize, self.multiplied.get(flow.param[v], 0))
         axes: set[str] = set()
         for v in [*eqn.invars, *eqn.outvars]:
             shape = getattr(v.aval, "shape", ())
@@ -279,7 +309,7 @@ class StepTrace:
             out = eqn.outvars[0]
             table = self.tables.setdefault(flow.param[src], Lookup())
             table.rows += trips * self.shares.bytes(out.aval, flow.of(out))
-            table.cotangent_itemsize = np.dtype(out.aval.dtype).itemsize
+            table.row_itemsize = table.cotangent_itemsize = np.dtype(out.aval.dtype).itemsize
             while out is not None:
                 self._looked_up[out] = flow.param[src]
                 out = self._returned_as.get(out)
@@ -333,6 +363,27 @@ class _PartialSums:
         owed = [t for sums in self._pending.values() for t in sums]
         self._pending.clear()
         return owed
+
+
+def _working_regions(jaxpr: Jaxpr) -> Iterator[Jaxpr]:
+    """The regions whose backward pass runs one at a time, each holding its own residuals: every loop's body and,
+    where a remat region computes the body's carry (a layer under a remat policy), that region, measured without
+    its policy; remat regions outside loops. Other remat regions inside these are the fused attention kernels'
+    plain stand-ins (`jaxtrain.ops.plain`: the reference's math under `jax.checkpoint`) and are not measured on
+    their own: the kernels hold one block of scores at a time, where the stand-in's residuals are all (T, T) of
+    them (llama-1b, 4 rows of 2048 positions a device: 3.0 GiB, against a compiled layer's 0.7)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in ("scan", *_REMAT):
+            for sub in jaxprs_in_params(eqn.params):
+                yield from _working_regions(sub)
+            continue
+        body = body_of(eqn)
+        if body.constvars:
+            continue
+        yield body
+        if eqn.primitive.name == "scan":
+            layer = [e for e in body.eqns if e.primitive.name in _REMAT and body.outvars[0] in e.outvars]
+            yield from (body_of(e) for e in layer if not body_of(e).constvars)
 
 
 def _shares(shardings: Shardings, shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int) -> Shares:

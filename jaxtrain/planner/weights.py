@@ -90,6 +90,10 @@ def weight_transfers(
     used: Mapping[int, set[str]],
     use_itemsize: Mapping[int, int],
     tables: Mapping[int, tuple[float, float]],
+    multiplied: Mapping[int, int] | None = None,
+    whole_torus: Collection[str] = (),
+    reduced_as: Mapping[int, tuple[str, int]] | None = None,
+    compiler: str = "cpu",
 ) -> list[Transfer]:
     """FSDP gathers and the gradient reductions over the batch axes, as often as `runs` says, in the dtype each
     param is used in (`use_itemsize`, per param: TPU and GPU compilers cast a weight to the compute dtype before
@@ -97,9 +101,17 @@ def weight_transfers(
     A table whose lookups are split over axes that split its other dims (an embedding's `embed` over `fsdp`) is not
     gathered: each device looks up all the group's rows in its columns and an all-to-all hands them to their rows'
     devices, and their gradients back; no gradient is reduced over those axes (`tables`, per table: bytes of the
-    rows one device looks up per microbatch and of their gradients; `exchanged_tables`). `used`: per param, the
-    axes splitting the rows of the activations it meets (`StepTrace.used`)."""
+    rows one device looks up per microbatch and of their gradients; `exchanged_tables`). A table that is also a
+    matmul's weight (`multiplied`, per param: the bytes per element it is multiplied in; a tied embedding used as
+    the output head) is gathered for that use as well, and the head's part of its gradient reduced as a weight's.
+    `used`: per param, the axes splitting the rows of the activations it meets (`StepTrace.used`). `whole_torus`:
+    the axes that together span a whole TPU torus slice (`jaxtrain.planner.estimate`), over which XLA:TPU
+    all-reduces a gradient and keeps each device's part instead of reduce-scattering it. `reduced_as`, per param:
+    the collective and bytes per element of its gradient's reduction over the FSDP axes where the step's own code
+    decides them (the chunked loss's head). `compiler`: whose habits the exchanged tables follow
+    (`_exchanged_rows`)."""
     mesh, out, exchanged = shardings.mesh, [], set(exchanged_tables(shardings, used, tables))
+    multiplied, reduced_as = multiplied or {}, reduced_as or {}
     names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
     params = jax.tree.leaves(shardings.abstract_state["params"])
     for i, (ns, p, (gathered, reduced)) in enumerate(zip(names, params, _weight_axes(shardings, used))):
@@ -111,18 +123,45 @@ def weight_transfers(
             runs.table_reductions if i in tables else runs.layer_reductions if stacked else runs.other_reductions
         )
         if i in exchanged:
-            out += _exchanged_rows(gathered, tables[i], runs.table_lookups, mesh.shape)
-        elif gathered:
-            n = math.prod(mesh.shape[a] for a in gathered)
-            sent = gathers * (n - 1) * shard
-            out.append(Transfer(gathered, "all-gather", cast * sent, "weights (FSDP)", ("all-gather", sent)))
-            sent = reductions * (n - 1) * shard
-            out.append(Transfer(gathered, "reduce-scatter", cast * sent, "gradients", ("all-reduce", 2 * sent)))
+            # On TPU, a table whose looked-up rows are split over other axes too (the vocabulary over `tensor`) gets
+            # its rows' gradients summed into a buffer of its size gathered over the exchange axes, all-reduced.
+            summed = compiler == "tpu" and bool(set(spec_axes(p.sharding.spec)) - set(gathered))
+            table = runs.table_reductions * shard * math.prod(mesh.shape[a] for a in gathered) if summed else None
+            out += _exchanged_rows(gathered, tables[i], runs.table_lookups, mesh.shape, table)
+            # The head's use: gathered once per microbatch, as the other params, in the dtype it is multiplied in.
+            gathers, cast = runs.other_gathers, multiplied.get(i, itemsize) / itemsize
+        if gathered and (i not in exchanged or i in multiplied):
+            usual = "all-reduce" if set(gathered) == set(whole_torus) else "reduce-scatter"
+            reduction = reduced_as.get(i, (usual, cast * itemsize))
+            moved = (gathers * shard, reductions * shard)
+            out += _gathered_weight(gathered, mesh.shape, *moved, cast, reduction, itemsize)
         if reduced:
             n = math.prod(mesh.shape[a] for a in reduced)
             sent = reductions * SEND_SHARE["all-reduce"](n) * shard
             out.append(Transfer(reduced, "all-reduce", cast * sent, "gradients", ("all-reduce", sent)))
     return out
+
+
+def _gathered_weight(
+    axes: tuple[str, ...],
+    mesh_shape: Mapping[str, int],
+    gathered: float,
+    reduced: float,
+    cast: float,
+    reduction: tuple[str, int],
+    itemsize: int,
+) -> list[Transfer]:
+    """An FSDP weight's gathers over `axes` and its gradient's reduction: `gathered` and `reduced`, bytes of a
+    device's shard (in the param's dtype, `itemsize` bytes an element) times the times per step; `cast`: the
+    gathered dtype's bytes over the param's; `reduction`: the gradient's collective and bytes per element."""
+    n = math.prod(mesh_shape[a] for a in axes)
+    sent = (n - 1) * gathered
+    gather = Transfer(axes, "all-gather", cast * sent, "weights (FSDP)", ("all-gather", sent))
+    kind, size = reduction
+    sent = (n - 1) * reduced
+    # An all-reduce sends 2(N-1)/N of the whole gradient: twice a reduce-scatter's (N-1)/N.
+    share = size / itemsize * (2 if kind == "all-reduce" else 1)
+    return [gather, Transfer(axes, kind, share * sent, "gradients", ("all-reduce", 2 * sent))]
 
 
 def exchanged_tables(shardings: Shardings, used: Mapping[int, set[str]], tables: Collection[int]) -> list[int]:
@@ -134,30 +173,46 @@ def exchanged_tables(shardings: Shardings, used: Mapping[int, set[str]], tables:
 
 
 def _exchanged_rows(
-    axes: tuple[str, ...], rows: tuple[float, float], lookups: float, mesh_shape: Mapping[str, int]
+    axes: tuple[str, ...],
+    rows: tuple[float, float],
+    lookups: float,
+    mesh_shape: Mapping[str, int],
+    summed_table: float | None = None,
 ) -> list[Transfer]:
     """A table split over `axes` along dims its lookups do not index: the rows each device finds in its share of
     the table go to their rows' devices by all-to-all, and their gradients come back the same way; `rows`: bytes
-    of the rows one device looks up per microbatch and of their gradients, `lookups` times per step."""
-    share = SEND_SHARE["all-to-all"](math.prod(mesh_shape[a] for a in axes)) * lookups
+    of the rows one device looks up per microbatch and of their gradients, `lookups` times per step.
+    `summed_table`: bytes per step of the table gathered over `axes`, where the compiler sums the rows' gradients
+    into a buffer that size and all-reduces it over `axes` instead (XLA:TPU, for llama-8b's embedding at
+    fsdp=32,tensor=4, vocabulary over `tensor`: 970 MiB of float32 a device, where llama-1b's table, split over
+    `fsdp` alone, sends its rows' gradients back by all-to-all)."""
+    n = math.prod(mesh_shape[a] for a in axes)
+    share = SEND_SHARE["all-to-all"](n) * lookups
     found, gradients = rows
-    return [
-        Transfer(axes, "all-to-all", share * found, "looked-up rows (split table)"),
-        Transfer(axes, "all-to-all", share * gradients, "looked-up rows' gradients"),
-    ]
+    back = (
+        Transfer(axes, "all-to-all", share * gradients, "looked-up rows' gradients")
+        if summed_table is None
+        else Transfer(axes, "all-reduce", SEND_SHARE["all-reduce"](n) * summed_table, "looked-up rows' gradients")
+    )
+    return [Transfer(axes, "all-to-all", share * found, "looked-up rows (split table)"), back]
 
 
-def gathered_layer_bytes(shardings: Shardings, used: Mapping[int, set[str]]) -> float:
-    """Bytes of the weights FSDP gathers at once: one layer of each stacked param, or the other params."""
+def gathered_layer_bytes(
+    shardings: Shardings, used: Mapping[int, set[str]], use_itemsize: Mapping[int, int] | None = None
+) -> float:
+    """Bytes of the weights FSDP gathers at once, in the dtype they are used in (`use_itemsize`, per param: the
+    compilers gather a weight after casting it): one layer of each stacked param, or the other params."""
     names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
     params = jax.tree.leaves(shardings.abstract_state["params"])
     stacked = other = 0.0
-    for ns, p, (gathered, _) in zip(names, params, _weight_axes(shardings, used)):
+    for i, (ns, p, (gathered, _)) in enumerate(zip(names, params, _weight_axes(shardings, used))):
         ways = math.prod(shardings.mesh.shape[a] for a in gathered)
         if ways == 1:
             continue
+        itemsize = np.dtype(p.dtype).itemsize
+        whole = device_bytes(p) * ways * (use_itemsize or {}).get(i, itemsize) / itemsize
         if is_layer_stack(ns):
-            stacked += device_bytes(p) * ways / p.sharding.shard_shape(p.shape)[0]
+            stacked += whole / p.sharding.shard_shape(p.shape)[0]
         else:
-            other += device_bytes(p) * ways
+            other += whole
     return max(stacked, other)

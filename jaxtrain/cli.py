@@ -607,14 +607,50 @@ def import_hf_main(argv: Sequence[str]) -> int:
 
 @command
 def tokenize_main(argv: Sequence[str]) -> int:
-    """`jaxtrain tokenize`: text, JSON-lines or Parquet files into token shards for `data.source=tokens`."""
+    """`jaxtrain tokenize`: text, JSON-lines or Parquet files into token shards for `data.source=tokens`; with
+    `--chat`, JSON lines of conversations rendered with a chat template, with loss weights on the assistant's tokens."""
+    args = _tokenize_parser().parse_args(argv)
+    from jaxtrain.data.shards import tokenize
+
+    manifest = tokenize(
+        args.tokenizer,
+        args.inputs,
+        args.out,
+        val_fraction=args.val_fraction,
+        workers=args.workers,
+        documents=args.documents,
+        progress=not args.no_progress,
+        chat=_chat_options(args) if args.chat else None,
+    )
+    for split, counts in manifest["splits"].items():
+        assistant = f", {counts['assistant_tokens']:,} of them the assistant's" if "chat" in manifest else ""
+        print(
+            f"{split}: {counts['tokens']:,} tokens{assistant}, {counts['documents']:,} documents, "
+            f"{len(counts['shards'])} shards"
+        )
+    if "chat" in manifest:
+        chat = manifest["chat"]
+        limit = f"over --max-tokens {chat['max_tokens']}" if chat["max_tokens"] else "no --max-tokens"
+        print(
+            f"conversations: {chat['conversations']:,} read, {chat['whole']:,} whole, {chat['cut']:,} cut at a turn, "
+            f"{chat['dropped']:,} dropped ({limit}, --truncate {chat['truncation']}); template {chat['template']}"
+        )
+    print(f"train on it: jaxtrain train --data {shlex.quote(f'tokens:{args.out}')}")  # pasted into a shell
+    return 0
+
+
+def _tokenize_parser() -> argparse.ArgumentParser:
+    from jaxtrain.data.chat import TRUNCATIONS
+    from jaxtrain.data.chat_template import BUILTIN_TEMPLATES
     from jaxtrain.data.shards import DOCUMENTS
 
     parser = argparse.ArgumentParser(
         prog="jaxtrain tokenize",
         description="Tokenize text files, folders of them, and JSON-lines or Parquet files with a 'text' field into "
         "shards of token ids with document boundaries and a manifest; train on them with --data tokens:OUT. "
-        "Rerun the same command after an interruption to finish.",
+        "Rerun the same command after an interruption to finish. With --chat: JSON lines of conversations "
+        "('messages', or 'prompt' and 'completion'), rendered with the model's chat template; the loss counts the "
+        "assistant's tokens only (docs/data.md, 'Chat and instruction data').",
     )
     parser.add_argument("--tokenizer", required=True, help="a tokenizer.json, an HF model directory, or a .model")
     parser.add_argument("--out", required=True, help="the directory to write (new, or an interrupted one's)")
@@ -631,27 +667,38 @@ def tokenize_main(argv: Sequence[str]) -> int:
         default="file",
         help="in a text file, a document is the whole file or each blank-line paragraph",
     )
+    chat = parser.add_argument_group("chat and instruction data")
+    chat.add_argument("--chat", action="store_true", help="the inputs are JSON lines of conversations")
+    chat.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE",
+        help=f"a built-in template ({', '.join(BUILTIN_TEMPLATES)}), a .jinja file or a tokenizer_config.json; "
+        "default: the tokenizer directory's own (chat_template.jinja, or tokenizer_config.json's chat_template)",
+    )
+    chat.add_argument(
+        "--max-tokens",
+        type=flag_type(at_least=2),
+        help="the longest conversation kept whole, in tokens (e.g. data.seq_len + 1); default: any length",
+    )
+    chat.add_argument(
+        "--truncate",
+        choices=TRUNCATIONS,
+        default="turn",
+        help="a longer conversation: cut after its last assistant turn that fits (turn), or drop it (drop)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text/JSON-lines/Parquet files or folders")
     _debug_flag(parser)
-    args = parser.parse_args(argv)
-    from jaxtrain.data.shards import tokenize
+    return parser
 
-    manifest = tokenize(
-        args.tokenizer,
-        args.inputs,
-        args.out,
-        val_fraction=args.val_fraction,
-        workers=args.workers,
-        documents=args.documents,
-        progress=not args.no_progress,
-    )
-    for split, counts in manifest["splits"].items():
-        print(
-            f"{split}: {counts['tokens']:,} tokens, {counts['documents']:,} documents, {len(counts['shards'])} shards"
-        )
-    print(f"train on it: jaxtrain train --data {shlex.quote(f'tokens:{args.out}')}")  # pasted into a shell
-    return 0
+
+def _chat_options(args: argparse.Namespace):
+    """The chat options of `jaxtrain tokenize --chat` (jaxtrain.data.chat.ChatOptions)."""
+    from jaxtrain.data.chat import ChatOptions
+    from jaxtrain.data.chat_template import find_chat_template
+
+    template = find_chat_template(args.tokenizer, args.chat_template)
+    return ChatOptions(template, args.max_tokens, args.truncate)
 
 
 @command

@@ -188,10 +188,17 @@ class MoE(GPT):
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Next-token cross-entropy plus `aux_loss_weight` x the mean auxiliary loss over layers. batch["tokens"]:
-        (B, T + 1). Metrics: cross_entropy, aux_loss, expert_load, dropped."""
-        batch = next_tokens({"tokens": batch["tokens"]})
+        (B, T + 1); optional batch["loss_weights"] (B, T + 1), each token's weight as a target (chat data). Packed
+        documents (`segment_ids`) are refused: the router's capacity is shared by a row's tokens, so a document's
+        routing would depend on what shares its row. Metrics: cross_entropy, aux_loss, expert_load, dropped."""
+        if "segment_ids" in batch:
+            raise ConfigError(
+                "data.packing=segments with an MoE model: its tokens compete for expert capacity across a row, so "
+                "packed documents would not be independent. Use data.packing=concat."
+            )
+        batch = next_tokens(batch)
         hidden, stats = self.hidden_and_stats(batch.inputs, batch.positions)
-        cross_entropy = self.next_token_loss(hidden, batch.targets)
+        cross_entropy = self.next_token_loss(hidden, batch.targets, batch.weights)
         aux = jnp.mean(stats["aux"])
         load = stats["load"]  # (L, E)
         metrics = {

@@ -127,3 +127,28 @@ def test_auxiliary_loss_balances_the_experts():
     print("expert load (last 100 steps, held out): with", loads[0.03], "without", loads[0.0])
     assert max(loads[0.03]) < 1.5
     assert min(loads[0.0]) > 1.5
+
+
+def test_the_loss_counts_weighted_targets_and_refuses_packed_documents():
+    """Chat data's loss weights count in the MoE's cross-entropy as in the dense decoder's: a weighted mean of each
+    target's loss (here by hand from the logits, float64); packed documents are refused, since a row's tokens share
+    the experts' capacity."""
+    from flax import nnx
+
+    from jaxtrain.registry import resolve_model
+
+    cfg = apply_overrides(default_config("moe-tiny"), [*NO_DROPS, "dtype=float32"])
+    spec, _ = resolve_model("moe-tiny")
+    with nnx.use_eager_sharding(False):  # no mesh: the model alone
+        model = spec.module(cfg.model, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.model.vocab_size, (2, 17)).astype(np.int32)
+    weights = (rng.random((2, 17)) < 0.5).astype(np.float32)
+    _, metrics = model.loss({"tokens": tokens, "loss_weights": weights})
+    logits = np.asarray(model(tokens[:, :-1])[0], np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    losses = logz - np.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+    expected = np.sum(weights[:, 1:] * losses) / np.sum(weights[:, 1:])
+    assert float(metrics["cross_entropy"]) == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(ConfigError, match="data.packing=segments with an MoE model"):
+        model.loss({"tokens": tokens, "segment_ids": np.ones_like(tokens)})

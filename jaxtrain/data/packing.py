@@ -6,6 +6,9 @@
   a document longer than a row is cut into row-sized pieces. Each row carries `segment_ids` (1, 2, ... per piece, 0
   for padding): the model attends within a piece only, restarts positions at each, and counts no target across a
   join or on padding, so a document's loss does not depend on what shares its row.
+
+With `loss_weights` (chat data), a row also carries each of its tokens' loss weight as a target, `loss_weights`
+(float32, laid out as `tokens`; 0 on padding), read from the same positions of the stream as its tokens.
 """
 
 from __future__ import annotations
@@ -25,19 +28,24 @@ class TokenStream(Protocol):
 
     def read(self, start: int, stop: int) -> np.ndarray: ...
 
+    def read_weights(self, start: int, stop: int) -> np.ndarray: ...
+
 
 class ConcatWindows:
-    """Row k: tokens [k * seq_len, (k + 1) * seq_len + 1) of the stream."""
+    """Row k: tokens [k * seq_len, (k + 1) * seq_len + 1) of the stream (and their loss weights, with
+    `loss_weights`)."""
 
-    def __init__(self, stream: TokenStream, seq_len: int):
-        self.stream, self.seq_len = stream, seq_len
+    def __init__(self, stream: TokenStream, seq_len: int, loss_weights: bool = False):
+        self.stream, self.seq_len, self.loss_weights = stream, seq_len, loss_weights
 
     def __len__(self) -> int:
         return max(0, (len(self.stream) - 1) // self.seq_len)
 
     def __getitem__(self, k: int) -> dict[str, np.ndarray]:
         start = int(k) * self.seq_len
-        return {"tokens": self.stream.read(start, start + self.seq_len + 1)}
+        stop = start + self.seq_len + 1
+        row = {"tokens": self.stream.read(start, stop)}
+        return {**row, "loss_weights": self.stream.read_weights(start, stop)} if self.loss_weights else row
 
 
 def pack(documents: np.ndarray, document_ends: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -59,10 +67,11 @@ def pack(documents: np.ndarray, document_ends: np.ndarray, width: int) -> tuple[
 
 
 class PackedRows:
-    """Row k: the documents (or pieces) of packed row k, then padding; with their segment ids."""
+    """Row k: the documents (or pieces) of packed row k, then padding; with their segment ids (and loss weights,
+    with `loss_weights`)."""
 
-    def __init__(self, stream: TokenStream, seq_len: int):
-        self.stream, self.width = stream, seq_len + 1
+    def __init__(self, stream: TokenStream, seq_len: int, loss_weights: bool = False):
+        self.stream, self.width, self.loss_weights = stream, seq_len + 1, loss_weights
         self.starts, self.stops, self.row_starts = pack(stream.documents, stream.document_ends, self.width)
 
     def __len__(self) -> int:
@@ -70,10 +79,14 @@ class PackedRows:
 
     def __getitem__(self, k: int) -> dict[str, np.ndarray]:
         tokens, segments = np.zeros(self.width, np.int32), np.zeros(self.width, np.int32)
+        weights = np.zeros(self.width, np.float32)
         at = 0
         for segment, piece in enumerate(range(self.row_starts[k], self.row_starts[k + 1]), 1):
             start, stop = int(self.starts[piece]), int(self.stops[piece])
             tokens[at : at + stop - start] = self.stream.read(start, stop)
             segments[at : at + stop - start] = segment
+            if self.loss_weights:
+                weights[at : at + stop - start] = self.stream.read_weights(start, stop)
             at += stop - start
-        return {"tokens": tokens, "segment_ids": segments}
+        row = {"tokens": tokens, "segment_ids": segments}
+        return {**row, "loss_weights": weights} if self.loss_weights else row

@@ -7,13 +7,20 @@ A tokenized directory holds:
     tokenizer.json           a copy of the tokenizer (or tokenizer.model): the directory says how to read it back
     train-00003.tokens.npy   chunk 3's training documents, each followed by the end-of-text token, as uint16/uint32
     train-00003.docs.npy     where each document starts and ends: int64 offsets, documents + 1 of them
+    train-00003.weights.npy  chat data only (`chat`): each token's loss weight as a target, uint8 0/1
     val-00003.*              chunk 3's held-out documents
+    chat_template.jinja      chat data only: the template its conversations were rendered with
 
 The inputs are cut into chunks (text files, together up to `chunk_bytes`; a JSON-lines file's lines in ranges of
 `chunk_bytes`; a Parquet row group), tokenized by worker processes; each chunk's shards are written under temporary
 names and renamed, then its `.done` record, so a run that is interrupted resumes where it stopped when rerun. The
 plan (`plan.json`, with each input's size and modification time) is written first: a rerun whose settings or inputs
 differ is refused. Which documents are held out is decided per chunk by a fixed seed: a rerun makes the same split.
+
+With `chat` (`jaxtrain tokenize --chat`), the inputs are JSON lines of conversations (`jaxtrain.data.chat`): a
+document is a conversation rendered with its chat template, without an end-of-text token after it (the template
+closes each turn), and its weights say which tokens the loss counts (the assistant's). Such a directory is format 2,
+which a jaxtrain that would read its tokens and ignore its weights refuses.
 """
 
 from __future__ import annotations
@@ -35,11 +42,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from jaxtrain.data.chat import ChatOptions, read_conversations
+from jaxtrain.data.jsonl import line_number, lines
 from jaxtrain.data.tokenizer import Tokenizer, file_digest, load_tokenizer, tokenizer_file
 from jaxtrain.errors import UserInputError
 from jaxtrain.files import read_bytes, utf8_text
 
-FORMAT = 1
+FORMAT, CHAT_FORMAT = 1, 2  # text shards; chat shards, which add each token's loss weight
+FORMATS = (FORMAT, CHAT_FORMAT)  # what this jaxtrain reads
+CHAT_TEMPLATE = "chat_template.jinja"  # the template a chat directory was rendered with, kept beside its shards
 MANIFEST, PLAN = "manifest.json", "plan.json"
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -60,9 +71,10 @@ def shard_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
-def input_files(inputs: Sequence[str | Path]) -> list[Path]:
-    """The files `inputs` name: files as given, folders searched (sorted) for text, JSON-lines and Parquet files."""
-    known = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+def input_files(inputs: Sequence[str | Path], chat: bool = False) -> list[Path]:
+    """The files `inputs` name: files as given, folders searched (sorted) for text, JSON-lines and Parquet files
+    (JSON-lines files only for chat data, where a file given must be one)."""
+    known = JSONL_SUFFIXES if chat else TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
     files = []
     for given in map(Path, inputs):
         if given.is_dir():
@@ -71,6 +83,11 @@ def input_files(inputs: Sequence[str | Path]) -> list[Path]:
                 raise ShardError(f"folder '{given}' holds no {', '.join(known)} files to tokenize.")
             files += found
         elif given.is_file():
+            if chat and given.suffix not in JSONL_SUFFIXES:
+                raise ShardError(
+                    f"input '{given}' is not a JSON-lines file ({', '.join(JSONL_SUFFIXES)}): chat data is a "
+                    'conversation a line, {"messages": [...]} or {"prompt": ..., "completion": ...}.'
+                )
             files.append(given)
         else:
             raise ShardError(f"input '{given}' does not exist: give text, JSON-lines or Parquet files, or folders.")
@@ -168,13 +185,9 @@ def text_documents(path: Path, documents: str) -> list[str]:
 
 def _jsonl_texts(path: Path, start: int, stop: int) -> Iterator[str]:
     """The `text` of each JSON line that starts in bytes [start, stop) of `path`."""
-    with path.open("rb") as f:
-        if start:
-            f.seek(start - 1)
-            f.readline()  # the line that began before `start` belongs to the chunk before
-        while f.tell() < stop and (line := f.readline()):
-            if line.strip() and (text := _jsonl_text(path, f.tell() - len(line), line)):
-                yield text
+    for offset, line in lines(path, start, stop):
+        if text := _jsonl_text(path, offset, line):
+            yield text
 
 
 def _jsonl_text(path: Path, offset: int, line: bytes) -> str:
@@ -186,42 +199,56 @@ def _jsonl_text(path: Path, offset: int, line: bytes) -> str:
         record = None
     if not isinstance(record, dict) or "text" not in record:
         raise ShardError(
-            f"'{path}' line {_line_number(path, offset)}: expected a JSON object with a 'text' field a line, got "
+            f"'{path}' line {line_number(path, offset)}: expected a JSON object with a 'text' field a line, got "
             f"{line[:80]!r}."
         )
     if not isinstance(text := record["text"], str):
         raise ShardError(
-            f"'{path}' line {_line_number(path, offset)}: 'text' is {json.dumps(text)[:40]}, not a string. Give each "
+            f"'{path}' line {line_number(path, offset)}: 'text' is {json.dumps(text)[:40]}, not a string. Give each "
             "line its text, or drop the line."
         )
     return text
-
-
-def _line_number(path: Path, offset: int) -> int:
-    """The line (from 1) of `path` that byte `offset` is on. Counted for an error message only: a chunk starts
-    mid-file, and counting every good file's lines would cost a pass over it."""
-    lines = 1
-    with path.open("rb") as f:
-        while offset > 0 and (block := f.read(min(offset, CHECKSUM_BLOCK))):
-            lines += block.count(b"\n")
-            offset -= len(block)
-    return lines
 
 
 def _shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}"
 
 
-def tokenize_chunk(index: int, chunk: dict, tokenizer_path: str, out: str, documents: str, val_fraction: float) -> dict:
+def tokenize_chunk(
+    index: int,
+    chunk: dict,
+    tokenizer_path: str,
+    out: str,
+    documents: str,
+    val_fraction: float,
+    chat: ChatOptions | None = None,
+) -> dict:
     """Tokenize chunk `index` into its train and val shards in `out`; returns (and records in `out` as its `.done`
-    file) the counts of each split. Runs in a worker process."""
+    file) the counts of each split, and for chat data how many conversations were kept whole, cut and dropped. Runs
+    in a worker process."""
     tokenizer = _worker_tokenizer(tokenizer_path)
-    texts = chunk_documents(chunk, documents)
-    held_out = np.random.default_rng((SPLIT_SEED, index)).random(len(texts)) < val_fraction
-    record = {}
+    if chat is None:
+        texts = chunk_documents(chunk, documents)
+        ids, weights, sizes, record = _text_ids(texts, tokenizer), None, [len(t.encode("utf-8")) for t in texts], {}
+    else:
+        path, start, stop = Path(chunk["path"]), chunk["start"], chunk["stop"]
+        chats, sizes, counts = read_conversations(path, start, stop, tokenizer.encode_batch, chat)
+        ids = [np.zeros(0, np.int64) if c is None else c.ids for c in chats]  # a dropped one is no document
+        weights = [np.zeros(0, np.uint8) if c is None else c.weights for c in chats]
+        sizes = [0 if c is None else size for c, size in zip(chats, sizes)]
+        record = {"chat": counts}
+    # Drawn for every document read, dropped ones too: which are held out does not depend on --max-tokens.
+    held_out = np.random.default_rng((SPLIT_SEED, index)).random(len(ids)) < val_fraction
+    dtype = shard_dtype(tokenizer.vocab_size)
     for split, mine in (("train", ~held_out), ("val", held_out)):
+        keep = np.flatnonzero(mine)
         shard = _write_shard(
-            Path(out), _shard_name(split, index), [t for t, keep in zip(texts, mine) if keep], tokenizer
+            Path(out),
+            _shard_name(split, index),
+            [ids[k] for k in keep],
+            None if weights is None else [weights[k] for k in keep],
+            dtype,
+            sum(sizes[k] for k in keep),
         )
         if shard:
             record[split] = shard
@@ -234,30 +261,41 @@ def _worker_tokenizer(path: str) -> Tokenizer:
     return load_tokenizer(path)
 
 
-def _write_shard(out: Path, name: str, texts: list[str], tokenizer: Tokenizer) -> dict | None:
-    """Write the token ids of `texts` and their document offsets as shard `name`; its counts, or None (and nothing
-    written) if no document has a token."""
+def _text_ids(texts: list[str], tokenizer: Tokenizer) -> list[np.ndarray]:
+    """Each text's token ids followed by the end-of-text token, if the tokenizer has one."""
     batches = (tokenizer.encode_batch(texts[i : i + ENCODE_BATCH]) for i in range(0, len(texts), ENCODE_BATCH))
     eot = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
-    ids = [doc for batch in batches for doc in batch if doc or eot]  # a document of no tokens is no document
-    if not ids:
+    return [np.array(doc + eot, dtype=np.int64) for batch in batches for doc in batch]
+
+
+def _write_shard(
+    out: Path, name: str, ids: list[np.ndarray], weights: list[np.ndarray] | None, dtype: str, text_bytes: int
+) -> dict | None:
+    """Write the documents `ids` (their loss `weights`, for chat data) and their offsets as shard `name`; its counts,
+    or None (and nothing written) if no document has a token. `text_bytes`: the input they were read from."""
+    kept = [k for k, doc in enumerate(ids) if len(doc)]  # a document of no tokens is no document
+    if not kept:
         return None
-    dtype = shard_dtype(tokenizer.vocab_size)
-    tokens = np.concatenate([np.array(doc + eot, dtype=dtype) for doc in ids])
-    offsets = np.concatenate([[0], np.cumsum([len(doc) + len(eot) for doc in ids])]).astype(np.int64)
+    arrays = {
+        "tokens": np.concatenate([ids[k] for k in kept]).astype(dtype),
+        "docs": np.concatenate([[0], np.cumsum([len(ids[k]) for k in kept])]).astype(np.int64),
+    }
+    if weights is not None:
+        arrays["weights"] = np.concatenate([weights[k] for k in kept]).astype(np.uint8)
     checksums = {}
-    for suffix, array in (("tokens", tokens), ("docs", offsets)):
+    for suffix, array in arrays.items():
         temporary = out / f".{name}.{suffix}.tmp.npy"
         np.save(temporary, array)
         checksums[suffix] = file_crc32(temporary)
         os.replace(temporary, out / f"{name}.{suffix}.npy")
-    size = (out / f"{name}.tokens.npy").stat().st_size
+    counts = {"assistant_tokens": int(arrays["weights"].sum())} if weights is not None else {}
     return {
         "name": name,
-        "tokens": int(offsets[-1]),
-        "documents": len(ids),
-        "bytes": size,
-        "text_bytes": sum(len(t.encode("utf-8")) for t in texts),
+        "tokens": int(arrays["docs"][-1]),
+        "documents": len(kept),
+        "bytes": (out / f"{name}.tokens.npy").stat().st_size,
+        "text_bytes": text_bytes,
+        **counts,
         "crc32": checksums,
     }
 
@@ -279,8 +317,27 @@ def _temporary(path: Path) -> Path:
 
 
 def _write_json(path: Path, value: dict) -> None:
-    _temporary(path).write_text(json.dumps(value, indent=1), encoding="utf-8")
+    _write_text(path, json.dumps(value, indent=1))
+
+
+def _write_text(path: Path, text: str) -> None:
+    _temporary(path).write_text(text, encoding="utf-8")
     os.replace(_temporary(path), path)
+
+
+def _holds(path: Path, text: str) -> bool:
+    return path.is_file() and path.read_text(encoding="utf-8") == text
+
+
+def _checked_chat(chat: ChatOptions, tokenizer: Path) -> dict:
+    """What the plan records of the chat options, once the template compiles and the tokenizer can read it."""
+    if tokenizer.suffix == ".model":
+        raise ShardError(
+            f"chat data needs a Hugging Face tokenizer.json: sentencepiece ('{tokenizer}') reads the special tokens a "
+            "chat template writes (<s>, [INST], ...) as plain text. Give the model directory's tokenizer.json."
+        )
+    chat.template.check()
+    return chat.describe()
 
 
 def _copy(source: Path, target: Path) -> None:
@@ -298,37 +355,42 @@ def tokenize(
     documents: str = "file",
     chunk_bytes: int = 4 * 2**20,
     progress: bool = True,
+    chat: ChatOptions | None = None,
 ) -> dict:
     """Tokenize `inputs` (text files, folders, JSON-lines or Parquet with a `text` field) with the tokenizer at
     `tokenizer` into shards in `out`, holding out about `val_fraction` of the documents for validation; returns the
-    manifest. Rerun after an interruption with the same arguments, it finishes what is left."""
+    manifest. Rerun after an interruption with the same arguments, it finishes what is left. With `chat`, the
+    inputs are JSON lines of conversations, rendered and weighted as `jaxtrain.data.chat` says."""
     # One core per worker: the tokenizer's own threads would compete with the other workers for the same cores.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     source = tokenizer_file(tokenizer)
     tok = load_tokenizer(source)
     out = Path(out)
-    files = input_files(inputs)
+    files = input_files(inputs, chat=chat is not None)
     if not any(p.stat().st_size for p in files):
         named = ", ".join(f"'{p}'" for p in inputs)
         raise ShardError(f"the inputs {named} hold no text ({len(files)} empty files): give files with documents.")
     chunks = plan_chunks(files, chunk_bytes)
     plan = {
-        "format": FORMAT,
+        "format": FORMAT if chat is None else CHAT_FORMAT,
         "tokenizer_sha256": tok.digest,
         "documents": documents,
         "val_fraction": val_fraction,
         "chunk_bytes": chunk_bytes,
         "inputs": describe_inputs(files),
         "chunks": chunks,
+        **({} if chat is None else {"chat": _checked_chat(chat, source)}),
     }
     _start(out, plan, source)
+    if chat is not None and not _holds(out / CHAT_TEMPLATE, chat.template.source):
+        _write_text(out / CHAT_TEMPLATE, chat.template.source)
     done = {
         i: json.loads(p.read_text())
         for i in range(len(chunks))
         if (p := out / f"{_shard_name('chunk', i)}.done").is_file()
     }
     todo = [i for i in range(len(chunks)) if i not in done]
-    args = (str(out / f"tokenizer{source.suffix}"), str(out), documents, val_fraction)
+    args = (str(out / f"tokenizer{source.suffix}"), str(out), documents, val_fraction, chat)
     with tqdm(total=len(chunks), initial=len(done), unit="chunk", disable=not progress, desc="tokenize") as bar:
         for index, record in _run(todo, chunks, args, workers):
             done[index] = record
@@ -413,17 +475,24 @@ def _die_with_parent(parent: int) -> None:
 
 def _manifest(plan: dict, tok: Tokenizer, records: list[dict], out: Path) -> dict:
     splits = {}
+    counted = ("tokens", "documents", "text_bytes", *(("assistant_tokens",) if "chat" in plan else ()))
     for split in ("train", "val"):
         shards = [r[split] for r in records if split in r]
         if not shards:
+            found = sum(part in r for r in records for part in ("train", "val"))
             raise ShardError(
-                f"the {split} split of '{out}' is empty: {sum(len(r) for r in records)} shards in all. Tokenize more "
-                "documents (for one big text file: --documents paragraphs), or change --val-fraction."
+                f"the {split} split of '{out}' is empty: {found} shards in all. Tokenize more documents (for one big "
+                "text file: --documents paragraphs), or change --val-fraction"
+                + (", or --max-tokens (long conversations were dropped)." if "chat" in plan else ".")
             )
-        totals = {k: sum(s[k] for s in shards) for k in ("tokens", "documents", "text_bytes")}
+        totals = {k: sum(s[k] for s in shards) for k in counted}
         splits[split] = {**totals, "shards": shards}
+    chat = {}
+    if "chat" in plan:  # how many conversations were read, kept whole, cut at a turn, dropped
+        outcomes = {k: sum(r["chat"][k] for r in records) for k in ("whole", "cut", "dropped")}
+        chat = {"chat": {**plan["chat"], "conversations": sum(outcomes.values()), **outcomes}}
     return {
-        "format": FORMAT,
+        "format": plan["format"],
         "tokenizer": {
             "file": f"tokenizer{Path(tok.path).suffix}",
             "sha256": tok.digest,
@@ -431,5 +500,6 @@ def _manifest(plan: dict, tok: Tokenizer, records: list[dict], out: Path) -> dic
             "eot_id": tok.eot_id,
         },
         "dtype": shard_dtype(tok.vocab_size),
+        **chat,
         "splits": splits,
     }

@@ -10,6 +10,11 @@ in a checkpoint. With `data.prefetch` > 0 a Grain thread reads the next steps' r
 Each shard is checked when it is opened: against its CRC-32 in the manifest (a shard changed since it was written, or
 a manifest copied from another tokenization, is refused), and its largest id against the tokenizer's vocabulary (an
 id past it would train to NaN). A manifest written before shards had checksums is read with the ids check alone.
+
+Chat data (`jaxtrain tokenize --chat`) stores each token's loss weight beside it: the rows then carry
+`loss_weights` (B, T + 1) float32, laid out as `tokens` (the same windows, the same packing, the same shuffle), so
+the weights resume with the tokens on any mesh; `jaxtrain.ops.sequence.next_tokens` makes them target weights. In a
+mixture of chat and text directories, the text's tokens weigh 1.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import jax
 import numpy as np
 
 from jaxtrain.data.packing import PACKINGS, ConcatWindows, PackedRows
-from jaxtrain.data.shards import FORMAT, MANIFEST, file_crc32
+from jaxtrain.data.shards import FORMATS, MANIFEST, file_crc32
 from jaxtrain.data.tokenizer import Tokenizer, file_digest, load_tokenizer, padded_vocab
 from jaxtrain.errors import UserInputError
 
@@ -86,9 +91,18 @@ def read_manifest(directory: Path) -> dict:
         raise TokenDataError(
             f"'{path}' is not valid JSON ({err}): rerun jaxtrain tokenize into a new directory."
         ) from None
-    if manifest.get("format") != FORMAT:
-        raise TokenDataError(f"'{path}' has format {manifest.get('format')!r}, this jaxtrain reads format {FORMAT}.")
+    if manifest.get("format") not in FORMATS:
+        raise TokenDataError(
+            f"'{path}' has format {manifest.get('format')!r}, this jaxtrain reads formats "
+            f"{', '.join(map(str, FORMATS))}: tokenize it again with this jaxtrain, or train with the one that wrote "
+            "it."
+        )
     return manifest
+
+
+def has_loss_weights(manifest: dict) -> bool:
+    """Whether a tokenized directory stores a loss weight per token: chat data does."""
+    return "chat" in manifest
 
 
 def token_vocab(source: str, path: str, mixture: str) -> int | None:
@@ -101,12 +115,15 @@ def token_vocab(source: str, path: str, mixture: str) -> int | None:
 
 
 class SplitTokens:
-    """One split of a tokenized directory: its shards' tokens as one stream (memory-mapped), and its documents."""
+    """One split of a tokenized directory: its shards' tokens as one stream (memory-mapped), its documents, and for
+    chat data each token's loss weight."""
 
     def __init__(self, directory: Path, manifest: dict, split: str):
         self.directory, self.split = directory, split
         shards = manifest["splits"][split]["shards"]
         self.tokens = [self._open(s, "tokens", (s["tokens"],), manifest["dtype"]) for s in shards]
+        weighted = has_loss_weights(manifest)
+        self.weights = [self._open(s, "weights", (s["tokens"],), "uint8") for s in shards] if weighted else None
         docs = [self._open(s, "docs", (s["documents"] + 1,), "int64") for s in shards]
         for shard, tokens in zip(shards, self.tokens):
             self._check_ids(shard, tokens, manifest["tokenizer"]["vocab_size"])
@@ -125,16 +142,30 @@ class SplitTokens:
         return int(self.starts[-1])
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the split's stream, across shards."""
+        """Tokens [start, stop) of the split's stream, across shards, as int32."""
+        return self._across_shards(self.tokens, start, stop).astype(np.int32)
+
+    def read_weights(self, start: int, stop: int) -> np.ndarray:
+        """The loss weights of tokens [start, stop), as float32: stored ones for chat data, else 1 (all count)."""
+        if self.weights is None:
+            return np.ones(stop - start, np.float32)
+        return self._across_shards(self.weights, start, stop).astype(np.float32)
+
+    def longest_document(self) -> int:
+        """The most tokens of any document of the split."""
+        return int((self.document_ends - self.documents).max())
+
+    def _across_shards(self, arrays: list[np.ndarray], start: int, stop: int) -> np.ndarray:
+        """Elements [start, stop) of the split's stream of `arrays`, one per shard."""
         first = int(np.searchsorted(self.starts, start, side="right")) - 1
         parts, at = [], start
-        for shard in range(first, len(self.tokens)):
+        for shard in range(first, len(arrays)):
             if at >= stop:
                 break
             base = self.starts[shard]
-            parts.append(self.tokens[shard][at - base : min(stop, self.starts[shard + 1]) - base])
+            parts.append(arrays[shard][at - base : min(stop, self.starts[shard + 1]) - base])
             at = int(self.starts[shard + 1])
-        return np.concatenate(parts).astype(np.int32)
+        return np.concatenate(parts)
 
     def _file(self, shard: dict, kind: str) -> Path:
         return self.directory / f"{shard['name']}.{kind}.npy"
@@ -220,6 +251,29 @@ def checked_tokenizer(directory: Path, manifest: dict) -> Path:
     return tokenizer
 
 
+def _chat_notices(directory: Path, tokens: SplitTokens, seq_len: int, packing: str) -> None:
+    """One line each (to stderr) where chat data will train other than it reads: conversations longer than a row,
+    or packed so that they attend to each other."""
+    width = seq_len + 1
+    if tokens.longest_document() > width:
+        longer = int(np.sum(tokens.document_ends - tokens.documents > width))
+        _notice(
+            f"notice: {longer} of the {len(tokens.documents)} conversations of the {tokens.split} split of "
+            f"'{directory}' are longer than a row (data.seq_len + 1 = {width} tokens): their later tokens train "
+            f"without their start in view. Tokenize with --max-tokens {width} to cut them at a turn, or raise seq_len."
+        )
+    if packing == "concat":
+        _notice(
+            f"notice: '{directory}' holds conversations, read with data.packing=concat: they share rows and attend to "
+            "each other. data.packing=segments keeps each to itself (pipeline parallelism takes only concat)."
+        )
+
+
+@functools.cache  # each line once per process
+def _notice(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 @dataclasses.dataclass
 class _Prefetched:
     """The rows of successive steps of one split and row range, read ahead on a Grain thread."""
@@ -249,6 +303,8 @@ class TokenData:
         self.seq_len, self.seed, self.packing, self.prefetch = seq_len, seed, packing, prefetch
         self.names = [str(d) for d, _ in sources]
         self.weights = [w / sum(w for _, w in sources) for _, w in sources]
+        # Rows carry loss weights if any source stores them (chat data); a text source's then weigh 1.
+        self.loss_weights = any(has_loss_weights(read_manifest(d)) for d, _ in sources)
         self.splits = {split: self._split(sources, split) for split in _SPLIT_TAGS}
         self._prefetched: _Prefetched | None = None
         # Which source each training sample comes from: Grain's mix of one constant per source draws the same
@@ -271,7 +327,9 @@ class TokenData:
                 )
             digest = digest or (directory, manifest["tokenizer"]["sha256"])
             self.vocab_size = manifest["tokenizer"]["vocab_size"]
-            rows = (ConcatWindows if self.packing == "concat" else PackedRows)(tokens, self.seq_len)
+            rows = (ConcatWindows if self.packing == "concat" else PackedRows)(tokens, self.seq_len, self.loss_weights)
+            if has_loss_weights(manifest):
+                _chat_notices(directory, tokens, self.seq_len, self.packing)
             if not len(rows):
                 raise TokenDataError(
                     f"the {split} split of '{directory}' has {len(tokens)} tokens, too few for one row of "
@@ -283,7 +341,12 @@ class TokenData:
 
     def shapes(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         shape = jax.ShapeDtypeStruct((batch_size, self.seq_len + 1), np.int32)
-        return {"tokens": shape, **({"segment_ids": shape} if self.packing == "segments" else {})}
+        weights = jax.ShapeDtypeStruct(shape.shape, np.float32)
+        return {
+            "tokens": shape,
+            **({"segment_ids": shape} if self.packing == "segments" else {}),
+            **({"loss_weights": weights} if self.loss_weights else {}),
+        }
 
     def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
         if self.prefetch <= 0 or split != "train":

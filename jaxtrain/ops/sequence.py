@@ -43,18 +43,26 @@ class NextTokens(NamedTuple):
 
 def next_tokens(batch: dict[str, jax.Array]) -> NextTokens:
     """Inputs, targets, positions, documents and target weights of a batch {"tokens": (B, T + 1), optional
-    "segment_ids": (B, T + 1)}, in the sequence layout of the active mesh (the natural order without one).
+    "segment_ids": (B, T + 1), optional "loss_weights": (B, T + 1)}, in the sequence layout of the active mesh (the
+    natural order without one).
 
-    A target counts where it is in its input's document and not padding (segment id 0); positions restart at each
-    document.
+    A target counts where it is in its input's document and not padding (segment id 0), times its token's loss
+    weight (chat data: 1 for an assistant's token, 0 for the prompt's); positions restart at each document.
     """
     tokens, segments = batch["tokens"], batch.get("segment_ids")
     order = sequence_order(tokens.shape[1] - 1)
+    weights = target_weights(segments, batch.get("loss_weights"))
     if segments is None:  # every row has the same positions: a constant, already in the layout
-        return NextTokens(*(_laid_out(x, order) for x in (tokens[:, :-1], tokens[:, 1:])), jnp.asarray(order)[None])
+        positions = jnp.asarray(order)[None]
+        fields = (tokens[:, :-1], tokens[:, 1:])
+        return NextTokens(*(_laid_out(x, order) for x in fields), positions, None, _maybe_laid_out(weights, order))
     inputs_segments = segments[:, :-1]
     fields = (tokens[:, :-1], tokens[:, 1:], segment_positions(inputs_segments), inputs_segments)
-    return NextTokens(*(_laid_out(x, order) for x in (*fields, target_weights(segments))))
+    return NextTokens(*(_laid_out(x, order) for x in (*fields, weights)))
+
+
+def _maybe_laid_out(x: jax.Array | None, order: np.ndarray) -> jax.Array | None:
+    return None if x is None else _laid_out(x, order)
 
 
 def _laid_out(x: jax.Array, order: np.ndarray) -> jax.Array:
@@ -93,10 +101,12 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
-def target_weights(segment_ids: jax.Array | None) -> jax.Array | None:
-    """Which next-token targets count, (B, T) float32, from a packed row's segment ids (B, T + 1): a target in its
-    input's document and not padding (id 0). None without segment ids: every target counts."""
+def target_weights(segment_ids: jax.Array | None, loss_weights: jax.Array | None = None) -> jax.Array | None:
+    """How much each next-token target counts, (B, T) float32: from a packed row's segment ids (B, T + 1), 1 for a
+    target in its input's document and not padding (id 0), else 0; times the target token's loss weight
+    (`loss_weights` (B, T + 1), laid out as the tokens). None with neither: every target counts once."""
+    weights = None if loss_weights is None else loss_weights[:, 1:].astype(jnp.float32)
     if segment_ids is None:
-        return None
-    same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
-    return same.astype(jnp.float32)
+        return weights
+    same = ((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)).astype(jnp.float32)
+    return same if weights is None else same * weights

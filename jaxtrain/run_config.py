@@ -20,8 +20,8 @@ directory writes its own there as `config.toml`, which `load_config` reads back 
 
 The sections are the parts the components take: `model`, `optimizer`, `data`, `train` (the loop itself),
 `allreduce` (how gradients are averaged), `updates` (the update policy), `pipeline`, `checkpoint`, `tracking`
-(metrics and profiles) and `engine`. A key of an earlier version (`RENAMED`: most sat in `[train]`) is translated,
-with a notice on stderr.
+(metrics and profiles), `engine` and `lora` (low-rank adapters). A key of an earlier version (`RENAMED`: most sat
+in `[train]`) is translated, with a notice on stderr.
 
 A top-level key may also name a field as an override does (`steps = 100`). Precedence, lowest first: the preset's
 defaults (`model_name`, or `--model`, which wins over the file's), the file, the command line's flags, its
@@ -258,6 +258,36 @@ class TrackingConfig(Settings):
     profile_dir: str = setting("", "where the profile_steps trace goes (and a device memory profile on OOM)")
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraConfig(Settings):
+    """Low-rank adapters (LoRA, Hu et al. 2021) on the weight matmuls: `rank` > 0 trains only the adapters of the
+    `targets` (jaxtrain/posttrain/adapters.py), every base weight frozen; 0 (the default) trains the whole model."""
+
+    section: ClassVar[str] = "lora"
+
+    rank: int = setting(0, "each adapter's inner dim; 0: no adapters, every weight trains", at_least=0)
+    alpha: float = setting(16.0, "adapters' outputs are scaled by alpha / rank", above=0)
+    dropout: float = setting(0.0, "dropout on each adapter's input while training", at_least=0, below=1)
+    targets: str = setting(
+        "attention,mlp",
+        "comma-separated: attention (weights with embed and heads/kv_heads dims), mlp (embed and mlp dims), weight "
+        "names (w_q) or paths (blocks/w_q) as the parameter table shows them",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        changed = [
+            f"{self.key(f.name)}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name != "rank" and getattr(self, f.name) != f.default
+        ]
+        if self.rank == 0 and changed:
+            raise ConfigError(
+                f"{', '.join(changed)} set with lora.rank=0, which trains no adapters: set lora.rank (e.g. 8) to "
+                "train adapters, or drop those keys."
+            )
+
+
 ENGINES = ("spmd", "ray")
 ENGINE_MODES = ("async", "sync")
 STALENESS_LR = ("none", "inverse")
@@ -337,6 +367,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     tracking: TrackingConfig = TrackingConfig()
     engine: EngineConfig = EngineConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 SECTIONS = (
@@ -350,6 +381,7 @@ SECTIONS = (
     "checkpoint",
     "tracking",
     "engine",
+    "lora",
 )
 
 

@@ -1,8 +1,8 @@
 """Dependencies point one way, read from the source's import statements (those inside functions included):
 
     base (errors, settings, files, formatting, registry, devices)
-      < analysis, sharding, data  < parallel  < run_config, placement  < training  < planner, asynchronous  < cli
-      and the public API
+      < analysis, sharding, data  < parallel  < run_config, placement, posttrain.adapters  < training
+      < planner, asynchronous, posttrain  < cli and the public API
 
 No module imports one of a higher layer, no two modules import each other through any chain, the library never
 imports `jaxtrain_models` (models/), `scripts`, `benchmarks` or `tests`, models import only the sharding helpers, the
@@ -32,6 +32,8 @@ LAYERS = {
     "jaxtrain.ops": 2,
     "jaxtrain.run_config": 3,
     "jaxtrain.placement": 3,  # a model on a mesh: spec, rules, split model, shardings; every product places through it
+    "jaxtrain.posttrain.adapters": 3,  # LoRA: a placed model's weights with adapters, which the step composition takes
+    "jaxtrain.posttrain": 5,  # post-training built on training and inference (SFT, DPO, GRPO as they land)
     "jaxtrain.training": 4,
     "jaxtrain.planner": 5,
     "jaxtrain.inference": 5,
@@ -46,9 +48,9 @@ MODEL_IMPORTS = {
     "jaxtrain.errors",
     "jaxtrain.ops.attention",
     "jaxtrain.ops.cross_entropy",
+    "jaxtrain.ops.embedding",
     "jaxtrain.ops.plain",
     "jaxtrain.ops.projection",
-    "jaxtrain.ops.embedding",
     "jaxtrain.ops.sequence",
 }
 LOOP_ONLY = {  # what the planner must not reach: the loop and the runtime around it

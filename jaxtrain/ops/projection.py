@@ -16,6 +16,11 @@ measurements):
   (`jax.lax.platform_dependent`): other backends' programs are untouched.
 - The gradient keeps the compute dtype, so FSDP reduces bfloat16 gradients in bfloat16 (tests/test_hlo_tpu.py).
 
+A weight that is not an array computes its own projection: `project` hands `x` to its `projected(spec, x)`. That is
+how a frozen weight with a low-rank adapter (LoRA, `jaxtrain.posttrain.adapters.Adapted`) changes what every model
+computes without the model changing; its pieces are `weight_matmul` (a trained weight's matmul, unnamed) and
+`frozen_matmul` (a weight that forms no gradient).
+
 >>> import jax, jax.numpy as jnp
 >>> from jaxtrain.ops.projection import project
 >>> x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5))
@@ -51,12 +56,27 @@ REMAT_POLICIES = {
 
 
 def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """`jnp.einsum(spec, x, w.astype(x.dtype))`: `x` activations (batch dims first), `w` a float32 parameter.
+    """`jnp.einsum(spec, x, w.astype(x.dtype))`: `x` activations (batch dims first), `w` a float32 parameter, or a
+    weight that computes its own projection (`w.projected(spec, x)`, e.g. an adapted one).
 
     The value and gradients are autodiff's, up to summation order; the backward pass is written for the compilers
     (the module's docstring says how).
     """
-    return checkpoint_name(_project(spec, w.dtype, x, w), SAVEABLE)
+    if hasattr(w, "projected"):
+        return checkpoint_name(w.projected(spec, x), SAVEABLE)
+    return checkpoint_name(weight_matmul(spec, x, w), SAVEABLE)
+
+
+def weight_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`project` of an array weight without naming its output for the remat policies: for a weight's parts (an
+    adapter's factors), whose product `project` names as a whole."""
+    return _project(spec, w.dtype, x, w)
+
+
+def frozen_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, x, w.astype(x.dtype))` differentiated in `x` only: `w` is frozen, and its gradient is never
+    formed, not even as dead code for XLA to drop (an adapted weight's base, `jaxtrain.posttrain.adapters`)."""
+    return _frozen(spec, x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -84,3 +104,23 @@ def _backward(
 
 
 _project.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _frozen(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, w.astype(x.dtype))
+
+
+def _frozen_forward(spec: str, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    cast = w.astype(x.dtype)  # kept for the input gradient, as `_forward` keeps it
+    return jnp.einsum(spec, x, cast), cast
+
+
+def _frozen_backward(spec: str, cast: jax.Array, dy: jax.Array) -> tuple[jax.Array, None]:
+    inputs, out = spec.split("->")
+    x_dims, w_dims = inputs.split(",")
+    dx = jnp.einsum(f"{out},{w_dims}->{x_dims}", unfused_on_cpu(dy), cast.astype(dy.dtype))
+    return dx.astype(cast.dtype), None  # None: a zero cotangent for `w`, which JAX never materialises as a dot
+
+
+_frozen.defvjp(_frozen_forward, _frozen_backward)

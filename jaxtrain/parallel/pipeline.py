@@ -46,7 +46,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxtrain.errors import UserInputError
 from jaxtrain.parallel.schedules import Schedule, build_schedule, check_schedule
-from jaxtrain.parallel.step import GradFn, LossFn, merge_microbatches, split_microbatches
+from jaxtrain.parallel.step import GradFn, LossFn, merge_microbatches, split_microbatches, trained_leaves
 from jaxtrain.sharding.constraints import constrain, layer_runner
 from jaxtrain.sharding.rules import is_layer_stack, is_logical_names
 
@@ -172,12 +172,30 @@ class _ModelPieces:
     """The model's loss taken apart at its `scan_layers` call (see the module docstring).
 
     Params are split into `outer` leaves (used by pre and post) and `stacked` leaves (the layer stack). Inside
-    the pipeline's shard_map the stacked leaves are this device's rows.
+    the pipeline's shard_map the stacked leaves are this device's rows. `trainable` picks the params whose gradients
+    are taken (all of them when None): the others (an adapted model's base weights) are run but not differentiated,
+    and no gradient buffer of theirs exists.
     """
 
-    def __init__(self, loss_fn: LossFn, treedef: Any, names: list[tuple]):
-        self.loss_fn, self.treedef, self.names = loss_fn, treedef, names
+    def __init__(
+        self, loss_fn: LossFn, treedef: Any, names: list[tuple], trainable: Callable[[PyTree], PyTree] | None = None
+    ):
+        self.loss_fn, self.treedef, self.names, self.trainable = loss_fn, treedef, names, trainable
         self.is_stacked = [is_layer_stack(n) for n in names]
+        picked = set(range(len(names)) if trainable is None else trained_leaves(treedef, trainable))
+        trains = [i in picked for i in range(len(names))]
+        self.outer_trains = [t for t, s in zip(trains, self.is_stacked) if not s]
+        self.stacked_trains = [t for t, s in zip(trains, self.is_stacked) if s]
+        self.trained_outer_names = [n for n, s, t in zip(names, self.is_stacked, trains) if t and not s]
+
+    def gradient(self, d_outer: list, d_stacked: list) -> PyTree:
+        """The trained params' gradients (as `trainable` picks them) from those of the trained outer and stacked
+        leaves."""
+        tree = self.join(
+            _put([None] * len(self.outer_trains), self.outer_trains, d_outer),
+            _put([None] * len(self.stacked_trains), self.stacked_trains, d_stacked),
+        )
+        return tree if self.trainable is None else self.trainable(tree)
 
     def split(self, params: PyTree) -> tuple[list, list]:
         leaves = jax.tree.leaves(params)
@@ -250,11 +268,12 @@ class Pipeline:
         chunks = len(self.layout.counts)
         return [self.costs.stage_cost(j, count, chunks) for j, count in enumerate(self.layout.counts)]
 
-    def value_and_grad(self, loss_fn: LossFn) -> GradFn:
+    def value_and_grad(self, loss_fn: LossFn, trainable: Callable[[PyTree], PyTree] | None = None) -> GradFn:
         """((loss, metrics), grads) of `loss_fn` on a batch, equal to `jax.value_and_grad(loss_fn)` up to rounding
-        (the loss is the mean over M equal microbatches). Params arrive, and gradients leave, in `layout` order."""
+        (the loss is the mean over M equal microbatches). Params arrive, and gradients leave, in `layout` order.
+        `trainable`: the part of the params to differentiate, as `jaxtrain.parallel.step.value_and_grad_of` takes it."""
         return _pipelined(
-            loss_fn, self.mesh, self.logical_names, self.layout, self.schedule, True, self.stash == "inputs"
+            loss_fn, self.mesh, self.logical_names, self.layout, self.schedule, True, self.stash == "inputs", trainable
         )
 
     def loss(self, loss_fn: LossFn) -> LossFn:
@@ -324,22 +343,25 @@ def _check_microbatches(batch: dict, microbatches: int) -> int:
     return rows
 
 
-def _pipelined(loss_fn, mesh, logical_names, layout, schedule, with_grads, recompute=False):
+def _pipelined(loss_fn, mesh, logical_names, layout, schedule, with_grads, recompute=False, trainable=None):
     names = jax.tree.leaves(logical_names, is_leaf=is_logical_names)
     microbatches = schedule.microbatches
 
     def run(params: PyTree, batch: dict[str, jax.Array]):
         _check_microbatches(batch, microbatches)
-        pieces = _ModelPieces(loss_fn, jax.tree.structure(params), names)
+        pieces = _ModelPieces(loss_fn, jax.tree.structure(params), names, trainable)
         outer, stacked = pieces.split(params)
         # The part before the layers runs outside the stage loop, on the whole batch (it is cheap, e.g. the
         # embedding lookup, and XLA's partitioner cannot yet place a gather inside a partly manual shard_map).
-        x, pre_vjp = jax.vjp(lambda o: pieces.pre(o, stacked, batch), outer)
+        mask = pieces.outer_trains
+        x, pre_vjp = jax.vjp(lambda o: pieces.pre(_put(outer, mask, o), stacked, batch), _take(outer, mask))
         micro = jax.tree.map(lambda b: split_microbatches(b, microbatches), batch)
         x_micro = split_microbatches(x, microbatches)
         specs = ([PartitionSpec()] * len(outer), [PartitionSpec("pipeline")] * len(stacked))
         loss_specs = (PartitionSpec(), PartitionSpec())
-        grad_specs = (*specs, PartitionSpec())  # outer, stacked, d(loss)/d(x)
+        # The trained outer and stacked params' gradients, and d(loss)/d(x).
+        trained = (sum(pieces.outer_trains), sum(pieces.stacked_trains))
+        grad_specs = ([PartitionSpec()] * trained[0], [PartitionSpec("pipeline")] * trained[1], PartitionSpec())
         results = jax.shard_map(
             functools.partial(_stage_program, pieces, layout, schedule, with_grads, recompute),
             mesh=mesh,
@@ -353,9 +375,20 @@ def _pipelined(loss_fn, mesh, logical_names, layout, schedule, with_grads, recom
             return results
         (loss, metrics), (d_outer, d_stacked, d_x) = results
         d_pre = pre_vjp(merge_microbatches(d_x))[0]
-        return (loss, metrics), pieces.join([a + b for a, b in zip(d_outer, d_pre)], d_stacked)
+        return (loss, metrics), pieces.gradient([a + b for a, b in zip(d_outer, d_pre)], d_stacked)
 
     return run
+
+
+def _take(leaves: list, mask: list[bool]) -> list:
+    """The leaves where `mask` is true (the trained ones)."""
+    return [x for x, keep in zip(leaves, mask) if keep]
+
+
+def _put(leaves: list, mask: list[bool], values: list) -> list:
+    """`leaves` with the ones where `mask` is true replaced by `values`, in order: the inverse of `_take`."""
+    given = iter(values)
+    return [next(given) if keep else x for x, keep in zip(leaves, mask)]
 
 
 def _stage_program(
@@ -455,8 +488,10 @@ class _Stage:
 
     def pin_outer(self, grads: list) -> list:
         # Both branches of a `cond` must agree on their outputs' layout: gradients keep their parameters' layout.
-        names = [n for n, is_stacked in zip(self.pieces.names, self.pieces.is_stacked) if not is_stacked]
-        return [constrain(g, n, like_params=True) for g, n in zip(grads, names)]
+        return [constrain(g, n, like_params=True) for g, n in zip(grads, self.pieces.trained_outer_names)]
+
+    def trained_outer(self) -> list:
+        return _take(self.outer, self.pieces.outer_trains)
 
     def micro_at(self, m: jax.Array) -> dict:
         """Microbatch m of the batch: (B/M, ...) leaves."""
@@ -490,8 +525,13 @@ class _Stage:
         return self.run_chunk(self.chunk_rows(v), x, self.counts[v, self.index])
 
     def chunk_vjp(self, rows: list, v: jax.Array, x: jax.Array) -> tuple[jax.Array, Callable]:
-        """Chunk v's forward on x, and its vjp: d(out) -> (d(rows), d(x))."""
-        return jax.vjp(lambda r, h: self.run_chunk(r, h, self.counts[v, self.index]), rows, x)
+        """Chunk v's forward on x, and its vjp: d(out) -> (d(trained rows), d(x))."""
+        mask = self.pieces.stacked_trains
+
+        def run(trained: list, h: jax.Array) -> jax.Array:
+            return self.run_chunk(_put(rows, mask, trained), h, self.counts[v, self.index])
+
+        return jax.vjp(run, _take(rows, mask), x)
 
 
 class _InputStash:
@@ -566,8 +606,8 @@ def _initial_carry(stage: _Stage, stash: _Stash | None) -> _Carry:
         acts,
         stash=[_buffer(schedule.stash_slots, leaf) for leaf in stash.like],
         grads=_buffer(schedule.grad_slots, x),
-        d_outer=[jnp.zeros_like(o) for o in stage.outer],
-        d_stacked=[jnp.zeros_like(s) for s in stage.stacked],
+        d_outer=[jnp.zeros_like(o) for o in stage.trained_outer()],
+        d_stacked=[jnp.zeros_like(s) for s in _take(stage.stacked, stage.pieces.stacked_trains)],
         d_x=_buffer(schedule.microbatches, x),  # row M is the trash row
         loss=loss,
         metrics=metrics,
@@ -667,11 +707,13 @@ def _loss_tick(stage: _Stage, work: _Work, out: jax.Array) -> tuple[jax.Array, P
 
 def _loss_and_grads(stage: _Stage, out: jax.Array, m: jax.Array) -> tuple[jax.Array, PyTree, jax.Array, list]:
     """The loss of microbatch m from the last layer's output `out`, and with grads its gradients (see `_loss_tick`)."""
-    outer, stacked, micro = stage.outer, stage.stacked, stage.micro_at(m)
+    outer, stacked, micro, mask = stage.outer, stage.stacked, stage.micro_at(m), stage.pieces.outer_trains
     if not stage.with_grads:
         loss, metrics = stage.pieces.post(outer, stacked, out, micro)
-        return loss, metrics, stage.placeholder(), stage.pin_outer([jnp.zeros_like(o) for o in outer])
-    loss, post_vjp, metrics = jax.vjp(lambda o, h: stage.pieces.post(o, stacked, h, micro), outer, out, has_aux=True)
+        return loss, metrics, stage.placeholder(), stage.pin_outer([jnp.zeros_like(o) for o in stage.trained_outer()])
+    loss, post_vjp, metrics = jax.vjp(
+        lambda o, h: stage.pieces.post(_put(outer, mask, o), stacked, h, micro), _take(outer, mask), out, has_aux=True
+    )
     d_outer, d_out = post_vjp(jnp.ones_like(loss) / stage.schedule.microbatches)  # the loss is the microbatches' mean
     return loss, metrics, _pin_activation(d_out), stage.pin_outer(d_outer)
 
@@ -679,7 +721,7 @@ def _loss_and_grads(stage: _Stage, out: jax.Array, m: jax.Array) -> tuple[jax.Ar
 def _no_loss(stage: _Stage, compute: Callable) -> tuple[jax.Array, PyTree, jax.Array, list]:
     """Zeros shaped like what `compute` (a `_loss_and_grads`) returns."""
     loss, metrics, _, _ = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(compute))
-    return loss, metrics, stage.placeholder(), stage.pin_outer([jnp.zeros_like(o) for o in stage.outer])
+    return loss, metrics, stage.placeholder(), stage.pin_outer([jnp.zeros_like(o) for o in stage.trained_outer()])
 
 
 def _backward(stage: _Stage, stash: _Stash, work: _Work, carry: _Carry) -> tuple[_Carry, jax.Array]:

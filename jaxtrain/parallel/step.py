@@ -1,15 +1,17 @@
 """Pure training and evaluation steps.
 
-The pieces `training/setup.py:compose_step` puts together: gradient accumulation and the replicas' gradient mean
-(wrappers around a `GradFn`), and `apply_update`, the update core of every update policy's step, of which
-`train_step` is the synchronous one. None reads the run config or does I/O: choices are bound with
-`functools.partial` by the caller. State is a plain dict: `{"params": ..., "opt_state": ..., "step": int32}`.
+The pieces `training/setup.py:compose_step` puts together: the gradient of the trained params (`value_and_grad_of`),
+gradient accumulation and the replicas' gradient mean (wrappers around a `GradFn`), `apply_update`, the update core
+of every update policy's step, of which `train_step` is the synchronous one, and `train_part`, which runs a step on
+the part of the params that trains (adapters) while the rest stays frozen. None reads the run config or does I/O:
+choices are bound with `functools.partial` by the caller. State is a plain dict: `{"params": ..., "opt_state": ...,
+"step": int32}`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,35 @@ from jaxtrain.sharding.constraints import constrain
 PyTree = Any
 LossFn = Callable[[PyTree, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 GradFn = Callable[[PyTree, dict[str, jax.Array]], tuple[tuple[jax.Array, dict], PyTree]]
+
+
+def trained_leaves(treedef: Any, trainable: Callable[[PyTree], PyTree]) -> list[int]:
+    """The positions, among the leaves of params with `treedef`, of those `trainable` picks, in the picked tree's
+    leaf order (e.g. `ModelParts.trainable`, which picks by structure alone)."""
+    return jax.tree.leaves(trainable(jax.tree.unflatten(treedef, range(treedef.num_leaves))))
+
+
+def value_and_grad_of(loss_fn: LossFn, trainable: Callable[[PyTree], PyTree] | None = None) -> GradFn:
+    """`jax.value_and_grad(loss_fn, has_aux=True)` at the params, of the part of them `trainable` picks (all of them
+    when None). The gradient has that part's structure; the other params are constants to autodiff, so no gradient
+    of theirs is formed."""
+    if trainable is None:
+        return jax.value_and_grad(loss_fn, has_aux=True)
+
+    def grad_fn(params: PyTree, batch: dict[str, jax.Array]):
+        leaves, treedef = jax.tree.flatten(params)
+        picked = trained_leaves(treedef, trainable)
+
+        def loss_of_picked(values: list) -> tuple[jax.Array, dict]:
+            full = list(leaves)
+            for i, value in zip(picked, values):
+                full[i] = value
+            return loss_fn(jax.tree.unflatten(treedef, full), batch)
+
+        value, grads = jax.value_and_grad(loss_of_picked, has_aux=True)([leaves[i] for i in picked])
+        return value, jax.tree.unflatten(jax.tree.structure(trainable(params)), grads)
+
+    return grad_fn
 
 
 def split_microbatches(x: jax.Array, pieces: int) -> jax.Array:
@@ -102,6 +133,38 @@ def train_step(
     gradient is not finite. Metrics: loss, grad_norm, learning_rate, nonfinite, and the loss's own (`apply_update`)."""
     new_state, metrics, _ = apply_update(state, grad_fn(state["params"], batch), optimizer=optimizer, schedule=schedule)
     return new_state, metrics
+
+
+class Partition(Protocol):
+    """Params in two parts, one that trains and one frozen (a model with adapters, `jaxtrain.posttrain.adapters`)."""
+
+    def split(self, params: PyTree) -> tuple[PyTree, PyTree]: ...  # (trainable, frozen)
+
+    def join(self, trainable: PyTree, frozen: PyTree) -> PyTree: ...
+
+    def for_step(self, frozen: PyTree, step: jax.Array) -> PyTree: ...  # what the step varies (dropout seeds)
+
+
+def train_part(
+    state: dict[str, PyTree],
+    batch: dict[str, jax.Array],
+    *,
+    step: Callable[..., tuple[dict[str, PyTree], dict[str, jax.Array]]],
+    grad_fn: GradFn,
+    part: Partition,
+) -> tuple[dict[str, PyTree], dict[str, jax.Array]]:
+    """`step` (a step taking `grad_fn`, e.g. `train_step` with its optimizer bound) on the trainable part of the
+    params, whose optimizer state is all `opt_state` holds; the frozen part passes through, its output buffers the
+    donated inputs', bit for bit. `grad_fn` takes the whole params and differentiates the trainable part
+    (`value_and_grad_of`); it sees the frozen part as `part.for_step` makes it for this step."""
+    trainable, frozen = part.split(state["params"])
+    frozen_now = part.for_step(frozen, state["step"])
+
+    def trainable_grad_fn(params: PyTree, rows: dict[str, jax.Array]):
+        return grad_fn(part.join(params, frozen_now), rows)
+
+    new_state, metrics = step({**state, "params": trainable}, batch, grad_fn=trainable_grad_fn)
+    return {**new_state, "params": part.join(new_state["params"], frozen)}, metrics
 
 
 def apply_update(

@@ -27,12 +27,38 @@ class ModelParts:
     logical_names: PyTree  # same structure, tuples of names
     build: Callable[[nnx.Rngs], nnx.Module]
 
-    def loss_fn(self, params: PyTree, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        return nnx.merge(self.graphdef, params).loss(batch)
+    def module(self, params: PyTree) -> nnx.Module:
+        """The model with `params` (e.g. to call it for logits, or to generate)."""
+        return nnx.merge(self.graphdef, params)
 
-    def init_params(self, seed: int) -> PyTree:
+    def loss_fn(self, params: PyTree, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        return self.module(params).loss(batch)
+
+    def training_loss_fn(self, params: PyTree, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        """The loss a train step differentiates: `loss_fn`, unless the params train with dropout (adapters')."""
+        return self.loss_fn(params, batch)
+
+    def init_params(self, seed: int, base: PyTree | None = None) -> PyTree:
+        """The params at initialisation with `seed`; `base`: the model's own params to start from instead (a
+        checkpoint's, to fine-tune), which a model with adapters wraps (`jaxtrain.posttrain.adapters`)."""
+        if base is not None:
+            return base
         with nnx.use_eager_sharding(False):  # shardings come from `Shardings`, not from Flax's eager annotation
             return nnx.to_pure_dict(nnx.state(self.build(nnx.Rngs(seed)), nnx.Param))
+
+    @property
+    def freezes(self) -> bool:
+        """Whether some params are frozen (no gradient, no optimizer state): see `trainable`."""
+        return False
+
+    def trainable(self, params: PyTree) -> PyTree:
+        """The part of `params` (or of any tree shaped like them: names, shardings) that trains, which gradients and
+        the optimizer state cover: all of it here; a model with adapters picks the adapters."""
+        return params
+
+    def base_params(self, params: PyTree) -> PyTree:
+        """`params` as the model without adapters has them (what a checkpoint to fine-tune from holds)."""
+        return params
 
 
 def split_model(build: Callable[[nnx.Rngs], nnx.Module], replicate_unnamed: bool = False) -> ModelParts:
@@ -75,4 +101,4 @@ def _set_path(tree: dict, path: tuple, value: Any) -> None:
 
 
 def path_str(path: tuple) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)

@@ -39,7 +39,9 @@ class Shardings:
     rules: ShardingRules
     model: ModelParts
     param_specs: PyTree  # PartitionSpec per parameter
-    abstract_state: PyTree  # {"params", "opt_state", "step"} of ShapeDtypeStruct, each with its sharding
+    # {"params", "opt_state", "step"} of ShapeDtypeStruct, each with its sharding; `opt_state` covers the params that
+    # train (`ModelParts.trainable`: all of them, or an adapted model's adapters)
+    abstract_state: PyTree
     # Under pipeline parallelism: which stage holds which layers. The stacked `layers` dim of the params is stored
     # in this layout's order (padded to equal stages); `params_in_model_order` undoes it.
     layout: StageLayout | None = None
@@ -55,8 +57,9 @@ class Shardings:
         return NamedSharding(self.mesh, PartitionSpec())
 
     def param_bytes(self) -> int:
-        """Bytes of one full copy of the parameters (what a gradient all-reduce moves)."""
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.abstract_state["params"]))
+        """Bytes of one full copy of the parameters that train (what a gradient all-reduce moves)."""
+        trained = self.model.trainable(self.abstract_state["params"])
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trained))
 
     def param_axes(self) -> tuple[str, ...]:
         """The mesh axes that shard some parameter, in mesh order."""
@@ -93,12 +96,14 @@ class Shardings:
 
     def init_state(self, optimizer: optax.GradientTransformation, seed: int, params: PyTree | None = None) -> PyTree:
         """The train state at step 0, created directly in its shards (no device ever holds the whole thing): from
-        the model's initialisation with `seed`, or from `params` (model order, e.g. to fine-tune)."""
+        the model's initialisation with `seed`, or from `params` (model order, e.g. to fine-tune: the model's own, which
+        an adapted model wraps with new adapters)."""
 
         def init(given):
-            params = self._stored(self.model.init_params(seed) if given is None else given, "to_stored")
+            params = self._stored(self.model.init_params(seed, given), "to_stored")
             state_optimizer = self.policy.state_optimizer(optimizer) if self.policy else optimizer
-            state = {"params": params, "opt_state": state_optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+            opt_state = state_optimizer.init(self.model.trainable(params))
+            state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
             return {**state, **(self.policy.init_extra(params, optimizer, self.mesh) if self.policy else {})}
 
         return jax.jit(init, out_shardings=self.state_shardings, compiler_options=self._init_options())(params)
@@ -183,7 +188,8 @@ class Shardings:
         def one(x, param, names):
             return convert(x) if is_layer_stack(names) and _leads_with_layers(param.shape, x.shape) else x
 
-        opt_state = map_like_params(one, state["opt_state"], params, self.model.logical_names, other=lambda x: x)
+        trained, names = self.model.trainable(params), self.model.trainable(self.model.logical_names)
+        opt_state = map_like_params(one, state["opt_state"], trained, names, other=lambda x: x)
         return {**state, "params": self._stored(state["params"], direction), "opt_state": opt_state}
 
     def _stored(self, params: PyTree, direction: str) -> PyTree:
@@ -201,9 +207,11 @@ class Shardings:
         """One line: the parameter count, and the bytes of params and optimizer state in all and per device."""
         params, opt = self.abstract_state["params"], self.abstract_state["opt_state"]
         n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+        n_trained = sum(math.prod(p.shape) for p in jax.tree.leaves(self.model.trainable(params)))
+        trained = f", {n_trained:,} of them trained ({n_trained / n_params:.2%})" if n_trained != n_params else ""
         return (
-            f"params: {n_params:,} ({fmt_bytes(total_bytes(params))} total, {fmt_bytes(tree_device_bytes(params))}"
-            f"/device); optimizer state: {fmt_bytes(total_bytes(opt))} total, "
+            f"params: {n_params:,}{trained} ({fmt_bytes(total_bytes(params))} total, "
+            f"{fmt_bytes(tree_device_bytes(params))}/device); optimizer state: {fmt_bytes(total_bytes(opt))} total, "
             f"{fmt_bytes(tree_device_bytes(opt))}/device"
         )
 
@@ -270,11 +278,13 @@ def make_shardings(
         lambda s: NamedSharding(mesh, s), param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
     state_optimizer = policy.state_optimizer(optimizer) if policy else optimizer
-    abstract_opt = jax.eval_shape(state_optimizer.init, abstract_params)
+    # The optimizer keeps state for the params that train only (an adapted model's adapters, not its frozen weights).
+    trained = model.trainable(abstract_params)
+    abstract_opt = jax.eval_shape(state_optimizer.init, trained)
     replicated = NamedSharding(mesh, PartitionSpec())
     # Moments shard like their parameters, factored statistics like the dims they keep; counts and other scalars
     # are replicated (optax's naive init would put them all on device 0).
-    opt_shardings = shardings_like_params(abstract_opt, abstract_params, shardings, mesh)
+    opt_shardings = shardings_like_params(abstract_opt, trained, model.trainable(shardings), mesh)
     extra, extra_shardings = (
         _policy_state(policy, abstract_params, shardings, optimizer, mesh, model, rules) if policy else ({}, {})
     )

@@ -59,6 +59,9 @@ DEFAULT_PARAM_RULES: dict[str, AxisRule] = {
     # router (each token scores every expert) is small: replicated.
     "expert": ("expert",),
     "router": (),
+    # A low-rank adapter's inner dim (jaxtrain/posttrain/adapters.py): a few dozen wide, whole on every device. The
+    # adapter's other dims are the adapted weight's, with its rules, so it is split as the weight is.
+    "lora_rank": (),
 }
 # Activations: the batch is split over every data-like axis; model dims follow tensor parallel.
 DEFAULT_ACTIVATION_RULES: dict[str, AxisRule] = {

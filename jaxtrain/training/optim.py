@@ -37,6 +37,8 @@ TABLE_DIMS = frozenset({"vocab", "classes", "table_rows"})
 # Dims that only index a projection's outputs: a parameter with no other matrix dims is a vector per head (a q/k/v
 # bias), not a map from one space to another.
 OUTPUT_ONLY_DIMS = frozenset({"heads", "kv_heads", "kv"})
+# A matrix whose first dim is one of these reads it: the residual stream, or an adapter's rank (a LoRA B factor).
+INPUT_FIRST_DIMS = frozenset({"embed", "lora_rank"})
 
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -69,13 +71,15 @@ def muon_dimensions(names: Sequence[str | None]) -> MuonDimensionNumbers | None:
     AdamW takes a parameter with fewer than two matrix dims (norms, biases, scalars), one with a table dim
     (`TABLE_DIMS`: embeddings, the head) and one whose matrix dims only index heads (`OUTPUT_ONLY_DIMS`). A matrix
     whose first dim is `embed` reads the residual stream: `embed` is its input, the rest its output (q/k/v, the
-    MLP's input and gate). Any other matrix writes its last dim from the rest, as `x @ w` does (the attention output
-    and MLP down projections into `embed`, a convolution's `conv_out` from its window and `conv_in`)."""
+    MLP's input and gate); so does one whose first dim is an adapter's rank (`lora_rank`: a LoRA B factor reads
+    its A's output). Any other matrix writes its last dim from the rest, as `x @ w` does (the attention output
+    and MLP down projections into `embed`, a convolution's `conv_out` from its window and `conv_in`, a LoRA A
+    factor's rank)."""
     matrix = [dim for dim, name in enumerate(names) if name not in MATRIX_BATCH_DIMS]
     matrix_names = {names[dim] for dim in matrix}
     if len(matrix) < 2 or TABLE_DIMS & set(names) or matrix_names <= OUTPUT_ONLY_DIMS:
         return None
-    if names[matrix[0]] == "embed":
+    if names[matrix[0]] in INPUT_FIRST_DIMS:
         return MuonDimensionNumbers(reduction_axis=matrix[0], output_axis=tuple(matrix[1:]))
     return MuonDimensionNumbers(reduction_axis=tuple(matrix[:-1]), output_axis=matrix[-1])
 

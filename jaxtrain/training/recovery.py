@@ -257,7 +257,8 @@ def initial_state(run: Run, checkpoints: Checkpoints | None, log: Callable[[str]
     if resumed is not None:
         return resumed.state, resumed.progress
     new_run = run_identity.fingerprint(run_identity.config_json(cfg))
-    if cfg.checkpoint.restore and is_params_export(cfg.checkpoint.restore):
+    # A model with adapters starts from the base model's weights: an export's, or a training checkpoint's params.
+    if cfg.checkpoint.restore and (is_params_export(cfg.checkpoint.restore) or shardings.model.freezes):
         return _fine_tune(run, checkpoints, log), Progress(run=new_run)
     if cfg.checkpoint.restore:
         state, progress = _restore_step(run, log)
@@ -347,12 +348,15 @@ def _restore_step(run: Run, log: Callable[[str], None]) -> tuple[Any, Progress]:
 
 
 def _fine_tune(run: Run, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> Any:
-    """A fresh optimizer state at step 0 around the params of the export at `checkpoint.restore`; the files the export
-    carries (an import's tokenizer) are copied into the run directory, so its checkpoints keep them."""
+    """A fresh optimizer state at step 0 around the params of the export at `checkpoint.restore` (with adapters: the
+    base model's params, of an export or a training checkpoint, and new adapters); the files the export carries (an
+    import's tokenizer) are copied into the run directory, so its checkpoints keep them."""
     shardings = run.shardings
-    params, meta = restore_params(run.cfg.checkpoint.restore, shardings.abstract_model_state()["params"])
+    base = shardings.model.base_params(shardings.abstract_model_state()["params"])
+    params, meta = restore_params(run.cfg.checkpoint.restore, base)
     source = run.cfg.checkpoint.restore
-    log(f"starting from the params of step {meta['step']} exported at {source}, with a new optimizer")
+    adapters = " and new adapters" if shardings.model.freezes else ""
+    log(f"starting from the params of step {meta['step']} at {source}, with a new optimizer{adapters}")
     if checkpoints is not None:
         carry_into(Path(run.cfg.checkpoint.restore).absolute(), checkpoints.directory)
     return shardings.init_state(run.optimizer, run.cfg.train.seed, params)

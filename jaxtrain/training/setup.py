@@ -33,11 +33,20 @@ from jaxtrain.formatting import fmt_bytes
 from jaxtrain.ops.sequence import zigzag_order
 from jaxtrain.parallel.grad_sync import GradientSync
 from jaxtrain.parallel.pipeline import Pipeline, make_pipeline, stacked_layer_count
-from jaxtrain.parallel.step import GradFn, accumulate_gradients, eval_step, replica_gradients, train_step
+from jaxtrain.parallel.step import (
+    GradFn,
+    accumulate_gradients,
+    eval_step,
+    replica_gradients,
+    train_part,
+    train_step,
+    value_and_grad_of,
+)
 from jaxtrain.parallel.updates import UpdatePolicy, local_step, stale_step
 from jaxtrain.placement.model import ModelParts
 from jaxtrain.placement.place import PlacedModel, place_model
 from jaxtrain.placement.shardings import Shardings
+from jaxtrain.posttrain.adapters import adapt
 from jaxtrain.run_config import ConfigError, RunConfig, default_config
 from jaxtrain.sharding.mesh import describe_mesh
 from jaxtrain.sharding.rules import ShardingRules
@@ -57,7 +66,9 @@ class Run:
     shardings: Shardings
     dataset: Dataset
     optimizer: Any
-    grad_fn: GradFn  # ((loss, metrics), grads) of params on a global batch, as the train step computes them
+    # ((loss, metrics), grads) of params on a global batch, as the train step computes them; the grads are those of
+    # the params that train (`ModelParts.trainable`: an adapted model's adapters)
+    grad_fn: GradFn
     step_fn: StepFn  # (state, batch) -> (state, metrics), uncompiled
     tokens_per_step: int  # batch x sequence length; batch for models that do not read sequences
     pipeline: Pipeline | None = None
@@ -198,8 +209,10 @@ def build(
 
     if mesh.shape["pipeline"] > 1:  # a model the pipeline cannot split is an error before any data is read
         stacked_layer_count(model.logical_names, model.abstract_params)
-    optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, model.logical_names)
     dataset = _dataset(cfg, spec.task, mesh, dataset)
+    placed = with_adapters(cfg, placed, dataset.shapes(cfg.data.batch_size))
+    model = placed.model
+    optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, model.trainable(model.logical_names))
     pipeline = _pipeline(cfg, mesh, model, dataset.shapes(cfg.data.batch_size))
     if pipeline and verbose:
         log(pipeline.describe())
@@ -228,10 +241,12 @@ def compose_step(
 ) -> tuple[GradFn, StepFn]:
     """The train step, composed here and nowhere else: the gradient, accumulated, synchronised, under an update
     policy, through the update core. Returns the gradient function (params, batch) -> ((loss, metrics), grads) and
-    the step (state, batch) -> (state, metrics), both pure and uncompiled (`Shardings.compile` compiles them)."""
-    t, mesh, loss_fn = cfg.train, shardings.mesh, shardings.model.loss_fn
+    the step (state, batch) -> (state, metrics), both pure and uncompiled (`Shardings.compile` compiles them).
+    A model with frozen weights (adapters) gets the gradient of its trainable part, and a step on that part alone."""
+    t, mesh, model = cfg.train, shardings.mesh, shardings.model
+    trainable, loss_fn = model.trainable if model.freezes else None, model.training_loss_fn
     # 1. The gradient of the model's loss on one piece of the batch, through the pipeline schedule if there is one.
-    grad_fn = pipeline.value_and_grad(loss_fn) if pipeline else jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = pipeline.value_and_grad(loss_fn, trainable) if pipeline else value_and_grad_of(loss_fn, trainable)
     # 2. Accumulation: the batch's `grad_accum` pieces one after another, averaged (nothing added for one piece).
     grad_fn = accumulate_gradients(grad_fn, t.grad_accum)
     # 3. Gradient sync. `xla`: nothing added; the shardings make XLA reduce each gradient where it is formed.
@@ -246,7 +261,26 @@ def compose_step(
         return grad_fn, functools.partial(local_step, **common, **outer, mesh=mesh)
     if policy.name == "stale":  # the gradient of `staleness` steps ago is applied
         return grad_fn, functools.partial(stale_step, **common, staleness=policy.staleness)
+    if model.freezes:  # adapters: the optimizer steps them alone, and the frozen weights pass through
+        step = functools.partial(train_step, optimizer=optimizer, schedule=schedule)
+        return grad_fn, functools.partial(train_part, step=step, grad_fn=grad_fn, part=model)
     return grad_fn, functools.partial(train_step, **common)
+
+
+def with_adapters(cfg: RunConfig, placed: PlacedModel, batch: dict[str, jax.ShapeDtypeStruct]) -> PlacedModel:
+    """`placed` with the low-rank adapters `cfg.lora` asks for on its model (none at lora.rank=0); `batch`: a batch's
+    shapes, to trace the model's loss with (`jaxtrain.posttrain.adapters.adapt`)."""
+    if not cfg.lora.rank:
+        return placed
+    if cfg.updates.policy != "synchronous" or cfg.engine.kind != "spmd":
+        which = (
+            f"updates.policy={cfg.updates.policy}" if cfg.engine.kind == "spmd" else f"engine.kind={cfg.engine.kind}"
+        )
+        raise ConfigError(
+            f"lora.rank={cfg.lora.rank} with {which}: adapters train with the synchronous SPMD step only; use "
+            "updates.policy=synchronous and engine.kind=spmd, or lora.rank=0."
+        )
+    return dataclasses.replace(placed, model=adapt(placed.model, cfg.lora, batch))
 
 
 def _check_sequence_split(cfg: RunConfig, mesh: Mesh, rules: ShardingRules, task: str) -> None:

@@ -87,14 +87,16 @@ def test_table_memory_scales_as_one_over_the_model_axis():
 
 @pytest.mark.slow
 def test_recsys_beats_logistic_regression():
-    """2000 steps of 256 examples on the tables split 4 ways. The margin: the rule's pairwise terms carry over a
+    """1000 steps of 256 examples on the tables split 4 ways. The margin: the rule's pairwise terms carry over a
     third of its logit variance and average to zero over any single id, so a logistic regression on one-hot ids and
-    dense features (fit to convergence on the same 512K training examples) cannot see them. Measured: the
-    recommender 0.85 accuracy / 0.33 log loss, the regression 0.77 / 0.48, the true probabilities 0.87 / 0.29. We ask
-    for 5 points of accuracy and 0.1 nats more: 60% of the gap measured, and 8 standard errors of an accuracy on
-    these 4096 validation examples."""
-    steps, batch_size, eval_batches = 2000, 256, 16
-    overrides = [f"steps={steps}", f"batch_size={batch_size}", f"eval_batches={eval_batches}", "learning_rate=0.01"]
+    dense features (fit to convergence on the same 256K training examples) cannot see them. Measured at seeds 0 and
+    1: the recommender 0.839 and 0.834 accuracy / 0.352 and 0.365 log loss, the regression 0.769 / 0.479 and 0.769 /
+    0.483, the true probabilities 0.868 and 0.871. We ask for 4 points of accuracy and 0.07 nats more: 60% of the
+    smaller gap measured, and 6 standard errors of an accuracy on these 4096 validation examples. (2000 steps at
+    learning rate 0.01, twice the time, measured 0.851 / 0.327 against 0.768 / 0.478, and were held to 5 points and
+    0.1 nats.)"""
+    steps, batch_size, eval_batches = 1000, 256, 16
+    overrides = [f"steps={steps}", f"batch_size={batch_size}", f"eval_batches={eval_batches}", "learning_rate=0.05"]
     overrides += ["eval_every=1000", "progress=false", "mesh=data=2,tensor=4"]
     cfg = apply_overrides(default_config("recsys"), overrides)
     summary = train(cfg, log=lambda *_: None, devices=jax.devices()[:8])
@@ -107,6 +109,6 @@ def test_recsys_beats_logistic_regression():
         f"recsys {summary['val_accuracy']:.3f} / {summary['val_loss']:.3f}, logistic regression "
         f"{baseline['accuracy']:.3f} / {baseline['loss']:.3f}, true probabilities {bayes:.3f}"
     )
-    assert summary["val_accuracy"] >= baseline["accuracy"] + 0.05
-    assert summary["val_loss"] <= baseline["loss"] - 0.1
+    assert summary["val_accuracy"] >= baseline["accuracy"] + 0.04
+    assert summary["val_loss"] <= baseline["loss"] - 0.07
     assert summary["val_accuracy"] <= bayes + 0.02  # no better than the rule itself (up to sampling noise)

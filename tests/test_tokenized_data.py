@@ -414,30 +414,35 @@ def test_the_cli_reports_bad_tokenized_data_in_one_line(tmp_path, capsys):
     assert "tokenizer train --vocab-size N" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # two process launches: ~40 s
+@pytest.mark.slow  # a two-process launch: ~40 s
 def test_two_processes_train_on_the_batches_one_process_does(corpus, tmp_path):
     """2 processes x 4 devices, each reading only its own rows of the shards: the losses of 1 process x 8."""
     from test_multiprocess import launch, logged
 
-    data = [f"data.source=tokens:{corpus['dir']}", "data.packing=segments"]
+    # The run of test_a_run_resumes_exactly_on_another_data_parallel_size (llama-tiny, data=8, TOKENS_RUN), so that
+    # the reference's programs come from the compilation cache where the default suite ran first (CI). Each process
+    # holds 4 of the 8 rows either way; the 3-D mesh over two processes is test_multiprocess.py's (its step compiles
+    # in 2x the time of data=8's, in each process).
+    data = ["--model", "llama-tiny", "--mesh", "data=8", f"data.source=tokens:{corpus['dir']}", "data.packing=segments"]
     metrics = tmp_path / "m.jsonl"
-    done = launch(2, 4, "--mesh", "data=2,fsdp=2,tensor=2", "--steps", "4", "--metrics-file", str(metrics), *data)
+    done = launch(2, 4, "--steps", "6", "--metrics-file", str(metrics), *data)
     assert done.returncode == 0, done.stdout[-3000:]
-    cfg = apply_overrides(default_config("gpt-tiny"), [*TOKENS_RUN, "steps=4", "mesh=data=2,fsdp=2,tensor=2", *data])
-    reference = {r["step"]: r["loss"] for r in train(cfg, log=lambda *_: None)["history"]}
-    assert sorted(logged(metrics)) == [1, 2, 3, 4]
+    reference = run_tokens(corpus, "data=8", tmp_path / "reference", 8)
+    assert sorted(logged(metrics)) == list(range(1, 7))
     for step, loss in logged(metrics).items():
         assert loss == pytest.approx(reference[step], rel=1e-5)
 
 
-@pytest.mark.slow  # two 300-step trainings: ~2 min
+@pytest.mark.slow  # two 100-step trainings: ~45 s
 def test_a_bpe_beats_bytes_per_byte_at_the_same_size_and_steps(tmp_path):
     """tinyshakespeare as a 2,048-token BPE against bytes, the same tiny Llama and step budget: lower validation
     loss in nats per byte on the same held-out text (benchmarks/bpe_vs_bytes.py draws the curves)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from bpe_vs_bytes import compare
 
-    report = compare(shared_file("tinyshakespeare.txt"), tmp_path, steps=300)
+    # 100 steps, not the benchmark's 300: the BPE leads from its first evaluation on. Held-out nats per byte measured
+    # (2026-12-06): BPE 2.238, bytes 2.951 at 100 steps (0.76 of it); 1.880 and 2.423 at 300 (0.78).
+    report = compare(shared_file("tinyshakespeare.txt"), tmp_path, steps=100)
     bpe, raw = report["bpe"]["held_out_nats_per_byte"], report["bytes"]["held_out_nats_per_byte"]
     assert report["bpe"]["held_out_tokens_per_byte"] < 0.5  # the BPE does compress
     assert bpe < 0.95 * raw, report

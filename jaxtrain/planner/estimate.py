@@ -227,14 +227,7 @@ class _Work:
 def _unpipelined(shardings: Shardings, step: StepTrace, accum: int, torus: frozenset[str], compiler: str) -> _Work:
     """The traced microbatch `accum` times over, its weights travelling as `Runs.unpipelined` says."""
     tally = (step.gradient["layers"] + step.gradient["rest"]) * accum
-    weights = weight_transfers(
-        shardings,
-        Runs.unpipelined(accum),
-        *step.weight_uses(compiler),
-        whole_torus=torus,
-        reduced_as=_heads(shardings, step),
-        compiler=compiler,
-    )
+    weights = _weight_transfers(shardings, step, Runs.unpipelined(accum), compiler, torus)
     return _Work(
         tally.flops, tally.matmul_bytes, [*weights, *tally.transfers], step.saved_bytes(), step.working_bytes()
     )
@@ -245,16 +238,23 @@ def _pipelined(
 ) -> _Work:
     """The traced pipeline microbatch through the schedule's ticks (`jaxtrain.planner.stages`), `accum` times."""
     tally = pipelined_work(step, stages) * accum
-    weights = weight_transfers(
+    weights = _weight_transfers(shardings, step, stages.weight_runs(accum), compiler, torus)
+    transfers = [*weights, *tally.transfers, *stage_transfers(step, shardings, stages, accum)]
+    return _Work(tally.flops, tally.matmul_bytes, transfers, *pipelined_memory(step, stages, compiler))
+
+
+def _weight_transfers(
+    shardings: Shardings, step: StepTrace, runs: Runs, compiler: str, torus: frozenset[str]
+) -> list[Transfer]:
+    """The weights' gathers and gradient reductions (`jaxtrain.planner.weights`) as the traced step uses them."""
+    return weight_transfers(
         shardings,
-        stages.weight_runs(accum),
+        runs,
         *step.weight_uses(compiler),
         whole_torus=torus,
         reduced_as=_heads(shardings, step),
         compiler=compiler,
     )
-    transfers = [*weights, *tally.transfers, *stage_transfers(step, shardings, stages, accum)]
-    return _Work(tally.flops, tally.matmul_bytes, transfers, *pipelined_memory(step, stages, compiler))
 
 
 def _check_microbatches(shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, micro: int) -> None:

@@ -16,6 +16,7 @@ jaxtrain tokenizer train --vocab-size 4096 --out tok.json corpus/*.txt   # a byt
 jaxtrain tokenize --tokenizer tok.json --out shards --workers 2 corpus/   # token shards: --data tokens:shards
 jaxtrain import-hf Llama-3.2-1B runs/llama-1b   # a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory -> a params export
 jaxtrain export-hf runs/x runs/x-hf             # a decoder checkpoint -> a Hugging Face model directory
+jaxtrain export-hf runs/lora runs/lora-peft --adapters-only   # a LoRA run's adapters -> a peft adapter directory
 
 Exit status: 0 done; 2 bad input (a one-line error saying what to change, as argparse's own); 74 a checkpoint could
 not be written (fix the storage and rerun: it resumes); 128 + N stopped by signal N after saving (143 SIGTERM, 130
@@ -314,8 +315,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig | None:
 @command
 def train_main(argv: Sequence[str]) -> int:
     args = _train_args(argv, _train_parser())
+    from jaxtrain.posttrain.sft_eval import train  # the loop, with the generation score when asked for
     from jaxtrain.training.checkpoint import CheckpointWriteError
-    from jaxtrain.training.loop import train
     from jaxtrain.training.recovery import Preempted
 
     try:
@@ -707,21 +708,49 @@ def export_hf_main(argv: Sequence[str]) -> int:
         "jaxtrain export-hf",
         "Write a decoder checkpoint as a Hugging Face model directory: config.json naming the architecture that "
         "computes it, safetensors weights in files of at most --max-shard-mb with their index, and the tokenizer "
-        "files of a model imported with import-hf. Gathered one tensor at a time from the mesh.",
+        "files of a model imported with import-hf. Gathered one tensor at a time from the mesh. A run trained with "
+        "adapters (lora.rank > 0) exports merged (each adapter folded into its weight), or with --adapters-only as a "
+        "peft adapter directory (adapter_config.json, adapter_model.safetensors) for PeftModel.from_pretrained.",
         ("path", "a run directory (its newest step), a step directory or a params export"),
         ("out_dir", "where to write the model directory (must not exist)"),
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype")
     parser.add_argument(
-        "--max-shard-mb", type=flag_type(float, above=0), default=5000.0, help="largest safetensors file (5000)"
+        "--max-shard-mb",
+        type=flag_type(float, above=0),
+        help="largest safetensors file (5000; not with --adapters-only)",
+    )
+    peft = parser.add_argument_group("adapters (a run trained with lora.rank > 0)")
+    peft.add_argument("--adapters-only", action="store_true", help="write the adapters for peft, not the model")
+    peft.add_argument(
+        "--base-model",
+        metavar="NAME",
+        help="adapter_config.json's base_model_name_or_path (default: the directory the base was imported from)",
     )
     args = _interop_args(parser, argv)
+    if args.adapters_only:
+        return _export_peft(args)
+    if args.base_model:
+        raise UserInputError(f"--base-model {args.base_model}: it names the base of adapters; add --adapters-only.")
     from jaxtrain.interop.exporting import export_hf
 
-    out = export_hf(
-        args.path, args.out_dir, dtype=args.dtype, max_file_bytes=int(args.max_shard_mb * 1e6), mesh=args.mesh
-    )
+    max_mb = 5000.0 if args.max_shard_mb is None else args.max_shard_mb
+    out = export_hf(args.path, args.out_dir, dtype=args.dtype, max_file_bytes=int(max_mb * 1e6), mesh=args.mesh)
     print(f"exported {args.path} to {out} (AutoModelForCausalLM.from_pretrained reads it)")
+    return 0
+
+
+def _export_peft(args: argparse.Namespace) -> int:
+    """`jaxtrain export-hf --adapters-only`: the run's adapters as a peft adapter directory."""
+    if args.max_shard_mb is not None:
+        raise UserInputError(
+            f"--max-shard-mb {args.max_shard_mb:g} with --adapters-only: peft reads its adapters from one file; drop "
+            "--max-shard-mb."
+        )
+    from jaxtrain.interop.peft_export import export_peft
+
+    out = export_peft(args.path, args.out_dir, dtype=args.dtype, mesh=args.mesh, base_model=args.base_model)
+    print(f"exported the adapters of {args.path} to {out} (PeftModel.from_pretrained(model, {str(out)!r}) reads them)")
     return 0
 
 

@@ -166,6 +166,13 @@ class TrainConfig(Settings):
     log_every: int = setting(10, "steps between logged metrics", at_least=1)
     eval_every: int = setting(100, "steps between validations", at_least=1)
     eval_batches: int = setting(4, "batches per validation", at_least=1)
+    # Generation on held-out chat prompts (jaxtrain.posttrain.sft_eval): the val split's conversations up to their
+    # last assistant turn, continued greedily and scored against that turn; logged as val_<scorer>.
+    generate_eval_every: int = setting(0, "steps between generation scores on held-out prompts; 0: none", at_least=0)
+    generate_eval_prompts: int = setting(32, "held-out conversations each generation score reads", at_least=1)
+    generate_eval_max_new_tokens: int = setting(32, "new tokens a generation score lets a reply have", at_least=1)
+    generate_eval_scorer: str = setting("exact_match", "a registered scorer's name, or module:function")
+    generate_eval_stop: str = setting("", "the token that ends a reply; empty: the chat template's eos_token")
     seed: int = setting(0, "seeds the params and the data order", at_least=0)
     progress: bool = setting(True, "a progress bar, not log lines")
     verbose: bool = setting(False, "the preflight's full tables (parameters, device grid, collectives)")
@@ -233,6 +240,9 @@ class CheckpointConfig(Settings):
     keep: int = setting(3, "how many of the newest checkpoints are kept", at_least=1)
     keep_every: int = setting(0, "also keep every M-th step's checkpoint; 0: none", at_least=0)
     restore: str = setting("", "start from this checkpoint step directory when checkpoint.dir has none")
+    # A training step's params alone, with a new optimizer at step 0 (fine-tuning it on other data, SFT); a params
+    # export (an import from Hugging Face) always starts so, and so does any checkpoint with lora.rank.
+    restore_params_only: bool = setting(False, "restore checkpoint.restore's params only: a new optimizer at step 0")
     # Comma-separated config keys that may differ from the checkpoint's when resuming in checkpoint.dir (e.g.
     # "optimizer.learning_rate,train.steps"); the change is recorded in the run's history. Empty: none may.
     allow_change: str = setting("", "config keys that may differ from the checkpoint's, comma-separated")

@@ -38,13 +38,14 @@ from jaxtrain.data.tokens import token_sources, tokenizer_of
 from jaxtrain.errors import UserInputError
 from jaxtrain.formatting import fmt_bytes
 from jaxtrain.inference.sampling import Sampling, sample
+from jaxtrain.interop.adapted import restore_merged
 from jaxtrain.placement.place import PlacedModel, place_model
 from jaxtrain.placement.shardings import Shardings
 from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.constraints import activation_sharding
 from jaxtrain.sharding.mesh import MeshLayout, build_mesh, parse_layout
 from jaxtrain.sharding.rules import logical_to_spec
-from jaxtrain.training.checkpoint import carried_files, find_checkpoint, restore_params, trained_config
+from jaxtrain.training.checkpoint import carried_files, find_checkpoint, trained_config
 from jaxtrain.training.distributed import to_host
 
 PyTree = Any
@@ -142,8 +143,9 @@ class Generator:
     ) -> Generator:
         """The model in checkpoint `path` (a step directory, a params export, or a run directory: its newest step),
         rebuilt from the config it stores, its params restored onto `mesh` (a layout name, inline `data=2,tensor=2`,
-        or a Mesh; default: all `devices` on `data`) with the sharding rules it trained with. A layout of a fixed
-        size takes the first that many devices: a few prompts need not occupy a whole host."""
+        or a Mesh; default: all `devices` on `data`) with the sharding rules it trained with; a run's adapters
+        (`lora.rank` > 0) merged into its weights. A layout of a fixed size takes the first that many devices: a few
+        prompts need not occupy a whole host."""
         step_dir, meta = find_checkpoint(path)
         cfg = trained_config(step_dir, meta)
         layout = parse_layout(mesh if isinstance(mesh, str) else "data=-1")
@@ -154,8 +156,8 @@ class Generator:
                 "a language model (task lm, e.g. gpt or llama)."
             )
         shardings = generation_shardings(placed)
-        params, _ = restore_params(step_dir, shardings.abstract_state["params"])
-        return cls(shardings, params, cfg, carried_files(step_dir))
+        # A run trained with adapters generates as it computes: each adapter folded into its weight.
+        return cls(shardings, restore_merged(step_dir, meta, placed), cfg, carried_files(step_dir))
 
     @classmethod
     def from_training(

@@ -6,7 +6,8 @@ The params are restored onto a mesh (default: every device on fsdp), then gather
 time, turned into the Hugging Face layout and streamed into safetensors files of at most `max_file_bytes`, so host
 memory holds one tensor besides the sharded model. config.json names the architecture that computes the model
 (`architectures.architecture_for`); a model imported from Hugging Face keeps its source's other config fields and
-tokenizer files. Written to a temporary directory, then renamed: the output never holds half an export.
+tokenizer files. Written to a temporary directory, then renamed: the output never holds half an export. A run
+trained with adapters exports merged (`adapted.restore_merged`); `peft_export` writes its adapters for peft.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ import jax
 import numpy as np
 
 from jaxtrain.errors import UserInputError
-from jaxtrain.interop.architectures import architecture_for, hf_config
-from jaxtrain.interop.importing import PARAM_DTYPES, carry_files, params_shardings
+from jaxtrain.interop.adapted import restore_merged
+from jaxtrain.interop.architectures import Tensor, architecture_for, hf_config
+from jaxtrain.interop.importing import PARAM_DTYPES, carry_files
 from jaxtrain.interop.tensor_files import Pending, write_tensors
-from jaxtrain.training.checkpoint import carried_files, find_checkpoint, restore_params, trained_config
+from jaxtrain.placement.place import place_model
+from jaxtrain.run_config import RunConfig
+from jaxtrain.training.checkpoint import carried_files, find_checkpoint, trained_config
 
 PyTree = Any
 MAX_FILE_BYTES = 5 * 10**9  # save_pretrained's default shard size, "5GB"
@@ -44,23 +48,28 @@ def export_hf(
     devices: list[jax.Device] | None = None,
 ) -> Path:
     """Write the decoder in checkpoint `path` (a run directory: its newest step; a step; a params export) as a
-    Hugging Face model directory `out_dir` (which must not exist), its weights in `dtype`."""
-    _check_output(out_dir, dtype)
+    Hugging Face model directory `out_dir` (which must not exist), its weights in `dtype`. A run trained with
+    adapters (`lora.rank` > 0) exports the model it computes: each adapter folded into its weight (`export_peft`
+    writes the adapters alone)."""
+    check_output(out_dir, dtype)
     step_dir, meta = find_checkpoint(path)
+    cfg = decoder_config(step_dir, meta)
+    placed = place_model(cfg.model_name, cfg.model, mesh, cfg.rules, devices=devices)
+    # Restored in the dtype written: a bfloat16 export of a float32 checkpoint holds half the bytes on the devices.
+    params = restore_merged(step_dir, meta, placed, dtype)
+    return write_hf(
+        params, cfg.model, out_dir, dtype=dtype, max_file_bytes=max_file_bytes, carried=carried_files(step_dir)
+    )
+
+
+def decoder_config(step_dir: Path, meta: dict[str, Any]) -> RunConfig:
+    """The run config of checkpoint `step_dir` (meta `meta`), once its model is known to be a decoder."""
     cfg = trained_config(step_dir, meta)
     if cfg.model_name.split("-")[0] not in ("gpt", "llama"):
         raise HFExportError(
             f"{step_dir} holds model {cfg.model_name}: only decoders (gpt, llama) export to Hugging Face."
         )
-    # Restored in the dtype written: a bfloat16 export of a float32 checkpoint holds half the bytes on the devices.
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(dtype), sharding=x.sharding),
-        params_shardings(cfg, mesh, devices).abstract_state["params"],
-    )
-    params, _ = restore_params(step_dir, abstract)
-    return write_hf(
-        params, cfg.model, out_dir, dtype=dtype, max_file_bytes=max_file_bytes, carried=carried_files(step_dir)
-    )
+    return cfg
 
 
 def write_hf(
@@ -74,7 +83,7 @@ def write_hf(
 ) -> Path:
     """Write `params` (model layer order; jax.Arrays on any mesh, or numpy) of decoder `model` (a GPTConfig) as a
     Hugging Face model directory `out_dir`; `carried`: a folder of the source's config.json and tokenizer files."""
-    out_dir = _check_output(out_dir, dtype)
+    out_dir = check_output(out_dir, dtype)
     carried = carried if carried is not None and carried.is_dir() else None
     imported = json.loads((carried / "config.json").read_text()) if carried else None
     arch = architecture_for(model, imported)
@@ -82,7 +91,7 @@ def write_hf(
     partial.mkdir(parents=True)
     try:
         pending = [
-            _pending(tensor, params, layer, np.dtype(jax.numpy.dtype(dtype)))
+            pending_tensor(tensor, params, layer, np.dtype(jax.numpy.dtype(dtype)))
             for tensor in arch.table(model.tie_embeddings)
             for layer in (range(model.n_layers) if tensor.stacked else [None])
         ]
@@ -98,7 +107,7 @@ def write_hf(
     return out_dir
 
 
-def _check_output(out_dir: str | Path, dtype: str) -> Path:
+def check_output(out_dir: str | Path, dtype: str) -> Path:
     """`out_dir`, absolute, once it is known not to exist and `dtype` to be one jaxtrain writes."""
     out_dir = Path(out_dir).absolute()
     if out_dir.exists():
@@ -108,7 +117,7 @@ def _check_output(out_dir: str | Path, dtype: str) -> Path:
     return out_dir
 
 
-def _pending(tensor, params: PyTree, layer: int | None, dtype: np.dtype) -> Pending:
+def pending_tensor(tensor: Tensor, params: PyTree, layer: int | None, dtype: np.dtype) -> Pending:
     """The Hugging Face tensor `tensor` names (of `layer`), gathered from the devices only when it is written."""
     array = params
     for key in tensor.param.split("/"):

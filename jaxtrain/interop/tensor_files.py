@@ -246,12 +246,15 @@ class Pending:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def write_tensors(directory: Path, tensors: Sequence[Pending], max_file_bytes: int) -> list[Path]:
-    """Write `tensors` into `directory` as one `model.safetensors`, or as shards of at most `max_file_bytes` each
-    (a larger tensor gets a file of its own) with `model.safetensors.index.json`. Returns the files written."""
+def write_tensors(
+    directory: Path, tensors: Sequence[Pending], max_file_bytes: int, single: str = SINGLE_FILE
+) -> list[Path]:
+    """Write `tensors` into `directory` as one file `single` (`model.safetensors`), or as shards of at most
+    `max_file_bytes` each (a larger tensor gets a file of its own) with `model.safetensors.index.json`. Returns the
+    files written."""
     groups = list(_shards(tensors, max_file_bytes))
     if len(groups) == 1:
-        names = [SINGLE_FILE]
+        names = [single]
     else:
         names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
         weight_map = {t.name: name for name, group in zip(names, groups) for t in group}

@@ -14,7 +14,7 @@ import functools
 import signal
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -32,6 +32,7 @@ from jaxtrain.training.recovery import (
     Progress,
     SkippedSteps,
     StopRequest,
+    check_restored_tokenizer,
     check_resume,
     initial_state,
     open_checkpoints,
@@ -45,11 +46,36 @@ from jaxtrain.training.setup import Run, setup, with_data_vocab
 from jaxtrain.training.stragglers import StepTimes
 from jaxtrain.training.tracking import WandbSink, wandb_module
 
+GENERATE_EVAL_KEY = "train.generate_eval_every"
+
+
+class Evaluation(Protocol):
+    """An evaluation the loop runs beside the validation loss, every `every` steps and after the last (e.g.
+    `jaxtrain.posttrain.sft_eval.GenerationEval`); `setting` names the config key that asks for it, if one does."""
+
+    every: int
+    setting: str
+
+    def __call__(self, run: Run, params: Any, step: int) -> dict[str, float]:
+        """Metrics of `params` (the train state's, as stored) after `step`, named `val_*`."""
+        ...
+
 
 def evaluate(run: Run, params: Any) -> dict[str, float]:
-    """Mean metrics over `eval_batches` fixed validation batches."""
-    results = [run.compiled_eval(params, run.batch("val", k)) for k in range(run.cfg.train.eval_batches)]
-    return {f"val_{k}": float(np.mean([to_host(r[k]) for r in results])) for k in results[0]}
+    """Metrics over `eval_batches` fixed validation batches. `val_loss` is the mean over every target token of them
+    that the loss counts (a chat run: the assistants' tokens), not a mean of the batches' means, which would weigh
+    a batch with few such tokens as much as one with many; `val_targets` is how many there were. Other metrics are
+    the batches' mean."""
+    results, counts = [], []
+    for k in range(run.cfg.train.eval_batches):
+        batch = run.batch("val", k)
+        results.append(to_host(run.compiled_eval(params, batch)))
+        counts.append(float(to_host(run.counted_targets(batch))))
+    metrics = {f"val_{k}": float(np.mean([r[k] for r in results])) for k in results[0]}
+    total = sum(counts)
+    losses = np.array([r["loss"] for r in results], np.float64)
+    metrics["val_loss"] = float(losses @ np.array(counts) / total) if total else float("nan")
+    return {**metrics, "val_targets": total}
 
 
 def train(
@@ -58,6 +84,7 @@ def train(
     devices: Sequence[jax.Device] | None = None,
     on_metrics: Callable[[dict[str, float]], None] | None = None,
     dataset: Dataset | None = None,
+    evaluations: Sequence[Evaluation] = (),
 ) -> dict[str, Any]:
     """Run `cfg` to completion. Returns a summary: final metrics, throughput, the logged history, the state, and
     the `Run` it ran (its shardings and compiled step, for inspection).
@@ -66,7 +93,8 @@ def train(
     `tracking.metrics_file` (e.g. to redraw a plot in a notebook). `dataset`: your own data instead of
     `cfg.data.source`, e.g. `jaxtrain.data.datasets.TokenWindows(token_ids, seq_len, seed)` for token ids in memory
     (any object with the `Dataset` protocol's `task`, `shapes` and `rows`). A checkpoint records the config, not the
-    data: resuming with other data is not detected.
+    data: resuming with other data is not detected. `evaluations`: more metrics at their own cadence (`Evaluation`:
+    `jaxtrain.posttrain.sft_eval.train` adds the generation score of `train.generate_eval_every`).
 
     With `checkpoint.dir`, it holds that directory's lock (`run_lock`: one writer at a time), resumes from the
     newest checkpoint there if its config defines the same run (`run_identity`; else `RunIdentityError`, before
@@ -76,11 +104,7 @@ def train(
     (file, TensorBoard, `on_metrics`); every process trains and checkpoints its shards.
     """
     cfg = with_data_vocab(cfg)  # before the config is compared with a checkpoint's or stored: as the run builds it
-    if cfg.engine.kind != "spmd":  # the asynchronous engine is another program, not a variant of this loop
-        raise ConfigError(
-            f"engine.kind={cfg.engine.kind}: this is the SPMD loop. Run the engine with `jaxtrain train --engine ray` "
-            "or jaxtrain.asynchronous.engine.train_async(cfg)."
-        )
+    _check_start(cfg, evaluations)
     lead = jax.process_index() == 0
     log = log if lead else lambda *_: None
     if lead and cfg.tracking.tensorboard_dir:
@@ -103,7 +127,7 @@ def train(
             traced = step_profiler(profiled, cfg.tracking.profile_dir)
             recorder = Recorder(run, Peak(peak, functools.partial(peak_too_low, devices, dtype), log), sink)
             with recorder, stop_signals() as stop, traced as profiler:
-                state, preempted = _loop(run, state, progress, checkpoints, recorder, stop, log, profiler)
+                state, preempted = _loop(run, state, progress, checkpoints, recorder, stop, log, profiler, evaluations)
                 if checkpoints:
                     checkpoints.wait()  # a second Ctrl-C here still exits at once
     if preempted:
@@ -112,6 +136,24 @@ def train(
     summary = {**recorder.summary(), "nonfinite_total": progress.nonfinite_total, "rollbacks": progress.rollbacks}
     log("done: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return {**summary, "history": recorder.history, "state": state, "run": run}
+
+
+def _check_start(cfg: RunConfig, evaluations: Sequence[Evaluation]) -> None:
+    """Refuse, before anything is built, what this loop cannot run: another engine; a generation score no evaluation
+    of this call computes (it would be silently missing from the metrics); a restored model's fine-tuning on data of
+    another tokenizer."""
+    if cfg.engine.kind != "spmd":  # the asynchronous engine is another program, not a variant of this loop
+        raise ConfigError(
+            f"engine.kind={cfg.engine.kind}: this is the SPMD loop. Run the engine with `jaxtrain train --engine ray` "
+            "or jaxtrain.asynchronous.engine.train_async(cfg)."
+        )
+    check_restored_tokenizer(cfg)
+    if cfg.train.generate_eval_every and not any(getattr(e, "setting", "") == GENERATE_EVAL_KEY for e in evaluations):
+        raise ConfigError(
+            f"{GENERATE_EVAL_KEY}={cfg.train.generate_eval_every}: the generation score needs the generator, which "
+            "this loop does not import: train with jaxtrain.posttrain.sft_eval.train(cfg) (as `jaxtrain train` "
+            f"does), or set {GENERATE_EVAL_KEY}=0."
+        )
 
 
 def _metrics_sink(
@@ -154,6 +196,7 @@ def _loop(
     stop: StopRequest,
     log: Callable[[str], None],
     profiler: StepProfiler,
+    evaluations: Sequence[Evaluation] = (),
 ) -> tuple[Any, bool]:
     """Train from `progress.step` to `train.steps` or a preemption; returns the last state and whether it was
     preempted. Updates `progress`. `profiler` runs each step (tracing the chosen ones)."""
@@ -191,7 +234,7 @@ def _loop(
             recorder.sink.rewind(progress.step)
             continue  # if preempted too, stop: the checkpoint just restored is on disk, and a rerun resumes there
         extra = {"nonfinite_total": progress.nonfinite_total, **run.data_metrics(done + progress.data_offset)}
-        pending = _record(run, recorder, times, done, state, metrics, extra)
+        pending = _record(run, recorder, times, done, state, metrics, extra, evaluations)
         # Mid-streak the params are the ones before it; a save then would only hide the older checkpoint.
         if save and (skipped.streak == 0 or done == steps or preempted):
             save_checkpoint(run, checkpoints, state, progress, log)
@@ -202,21 +245,43 @@ def _loop(
 
 
 def _record(
-    run: Run, recorder: Recorder, times: StepTimes, done: int, state: Any, metrics: Any, extra: dict[str, float]
+    run: Run,
+    recorder: Recorder,
+    times: StepTimes,
+    done: int,
+    state: Any,
+    metrics: Any,
+    extra: dict[str, float],
+    evaluations: Sequence[Evaluation] = (),
 ) -> tuple | None:
     """Record step `done` if it is evaluated, now, before the next step donates the params; return it if it is only
     logged, to be recorded once the next step runs (reading its metrics then does not stall the device)."""
     t, steps = run.cfg.train, run.cfg.train.steps
-    logged, evaluated = done % t.log_every == 0 or done == steps, done % t.eval_every == 0 or done == steps
-    if not (logged or evaluated):
+    logged, validated = _due(done, steps, t.log_every), _due(done, steps, t.eval_every)
+    due = [e for e in evaluations if _due(done, steps, e.every)]
+    if not (logged or validated or due):
         return None
     ready = recorder.ready((state, metrics))  # after the next batch is built: that overlapped this step
     if logged:
         times.check(done)
-    if not evaluated:
+    if not (validated or due):
         return (done, metrics, ready, extra)
-    recorder.record(done, metrics, ready, extra, functools.partial(evaluate, run, state["params"]))
+    evaluated = functools.partial(_evaluate, run, state["params"], done, validated, due)
+    recorder.record(done, metrics, ready, extra, evaluated)
     return None
+
+
+def _due(step: int, steps: int, every: int) -> bool:
+    """Whether something done `every` steps (0: never) is due after `step` of `steps`: it is after the last one."""
+    return every > 0 and (step % every == 0 or step == steps)
+
+
+def _evaluate(run: Run, params: Any, step: int, validated: bool, due: Sequence[Evaluation]) -> dict[str, float]:
+    """The validation metrics (if `validated`) and those of the evaluations `due` after `step`."""
+    metrics = evaluate(run, params) if validated else {}
+    for evaluation in due:
+        metrics.update(evaluation(run, params, step))
+    return metrics
 
 
 class Peak:

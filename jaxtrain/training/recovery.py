@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 import jax
 from jax.experimental import multihost_utils
 
+from jaxtrain.data.tokenizer import file_digest
+from jaxtrain.data.tokens import read_manifest, token_sources
 from jaxtrain.errors import UserInputError
 from jaxtrain.run_config import ConfigWriteError, RunConfig, write_config
 from jaxtrain.training import run_identity
@@ -32,11 +34,14 @@ from jaxtrain.training.checkpoint import (
     CheckpointMismatchError,
     Checkpoints,
     CheckpointWriteError,
+    carried_files,
     carry_into,
+    find_checkpoint,
     is_params_export,
     newest_meta,
     restore,
     restore_params,
+    trained_config,
 )
 from jaxtrain.training.distributed import to_host
 from jaxtrain.training.run_identity import RunIdentityError
@@ -257,8 +262,10 @@ def initial_state(run: Run, checkpoints: Checkpoints | None, log: Callable[[str]
     if resumed is not None:
         return resumed.state, resumed.progress
     new_run = run_identity.fingerprint(run_identity.config_json(cfg))
-    # A model with adapters starts from the base model's weights: an export's, or a training checkpoint's params.
-    if cfg.checkpoint.restore and (is_params_export(cfg.checkpoint.restore) or shardings.model.freezes):
+    # A model with adapters starts from the base model's weights: an export's, or a training checkpoint's params;
+    # `restore_params_only` starts any model so (fine-tuning a training checkpoint on other data).
+    fresh = cfg.checkpoint.restore_params_only or shardings.model.freezes
+    if cfg.checkpoint.restore and (is_params_export(cfg.checkpoint.restore) or fresh):
         return _fine_tune(run, checkpoints, log), Progress(run=new_run)
     if cfg.checkpoint.restore:
         state, progress = _restore_step(run, log)
@@ -360,6 +367,43 @@ def _fine_tune(run: Run, checkpoints: Checkpoints | None, log: Callable[[str], N
     if checkpoints is not None:
         carry_into(Path(run.cfg.checkpoint.restore).absolute(), checkpoints.directory)
     return shardings.init_state(run.optimizer, run.cfg.train.seed, params)
+
+
+class TokenizerMismatchError(UserInputError):
+    """Tokenized data whose tokenizer is not the one the restored model was trained or imported with."""
+
+
+def check_restored_tokenizer(cfg: RunConfig) -> None:
+    """Refuse training the model at `checkpoint.restore` on tokenized data of another tokenizer than its own: the one
+    its checkpoint carries (an import's `hf/tokenizer.json`), else the one of the tokenized data it trained on. Token
+    ids of another vocabulary would train without an error, on text the model reads as another. Known by SHA-256."""
+    ours = token_sources(cfg.data.source, cfg.data.path, cfg.data.mixture)
+    if not cfg.checkpoint.restore or not ours:
+        return
+    model = _model_tokenizer(cfg.checkpoint.restore)
+    data = read_manifest(ours[0][0])["tokenizer"]["sha256"]
+    if model is not None and model[0] != data:
+        raise TokenizerMismatchError(
+            f"data '{ours[0][0]}' was tokenized with another tokenizer (SHA-256 {data[:12]}...) than the model at "
+            f"checkpoint.restore={cfg.checkpoint.restore} reads ({model[1]}, SHA-256 {model[0][:12]}...): tokenize "
+            f"the data with the model's own, jaxtrain tokenize --tokenizer {model[2]} ..."
+        )
+
+
+def _model_tokenizer(restore_path: str) -> tuple[str, str, str] | None:
+    """The SHA-256 of the tokenizer the model at `restore_path` reads, where it is known; what holds it; and the
+    path to tokenize with."""
+    step_dir, meta = find_checkpoint(restore_path)
+    carried = carried_files(step_dir)
+    if carried is not None and (carried / "tokenizer.json").is_file():
+        return file_digest(carried / "tokenizer.json"), f"{carried / 'tokenizer.json'}", str(carried)
+    data = trained_config(step_dir, meta).data
+    trained = token_sources(data.source, data.path, data.mixture)
+    if not trained or not (Path(trained[0][0]) / "manifest.json").is_file():
+        return None  # bytes, synthetic data, or tokenized data no longer there: nothing to compare
+    directory = Path(trained[0][0])
+    digest = read_manifest(directory)["tokenizer"]["sha256"]
+    return digest, f"the tokenizer of its data {directory}", str(directory / "tokenizer.json")
 
 
 class StopRequest:

@@ -41,6 +41,7 @@ FREE_KEYS = frozenset(
         "model.remat",
         "data.prefetch",
         *(f"train.{name}" for name in ("grad_accum", "rollback_after", "log_every", "eval_every", "eval_batches")),
+        *(f"train.generate_eval_{name}" for name in ("every", "prompts", "max_new_tokens", "scorer", "stop")),
         "train.progress",
         "train.verbose",
         "allreduce.algorithm",

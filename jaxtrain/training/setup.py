@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, Mesh
 
@@ -30,7 +31,7 @@ from jaxtrain.data.datasets import (
 )
 from jaxtrain.data.tokens import token_vocab
 from jaxtrain.formatting import fmt_bytes
-from jaxtrain.ops.sequence import zigzag_order
+from jaxtrain.ops.sequence import target_weights, zigzag_order
 from jaxtrain.parallel.grad_sync import GradientSync
 from jaxtrain.parallel.pipeline import Pipeline, make_pipeline, stacked_layer_count
 from jaxtrain.parallel.step import (
@@ -134,6 +135,22 @@ class Run:
             donate_state=False,
             out_shardings=shardings.replicated,
         )
+
+    @functools.cached_property
+    def counted_targets(self) -> Callable[[dict[str, jax.Array]], jax.Array]:
+        """How many targets of a batch the loss counts, summed over the batch (float32, replicated): its weight in an
+        exact mean over several batches. The sum of a language batch's target weights (`next_tokens`: documents'
+        own targets, chat data's assistant tokens); else every example counts once."""
+
+        def count(batch: dict[str, jax.Array]) -> jax.Array:
+            tokens = batch.get("tokens")
+            if tokens is None:
+                return jnp.float32(next(iter(batch.values())).shape[0])
+            weights = target_weights(batch.get("segment_ids"), batch.get("loss_weights"))
+            every = tokens.shape[0] * (tokens.shape[1] - 1)
+            return jnp.float32(every) if weights is None else jnp.sum(weights, dtype=jnp.float32)
+
+        return jax.jit(count, out_shardings=self.shardings.replicated)
 
 
 def setup(

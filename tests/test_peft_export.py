@@ -28,18 +28,9 @@ else:
     transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     peft = pytest.importorskip("peft", reason="needs peft, in the hf extra: pip install -e '.[hf]'")
 
+from test_hf_interop import SIZES  # noqa: E402  (the same small Llama; imported after the skips above)
+
 RTOL = 1e-5
-SIZES = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    initializer_range=0.1,  # logits spread over several nats: greedy choices are far from ties
-    bos_token_id=None,
-    eos_token_id=None,  # generation runs its full length on both sides
-    pad_token_id=None,
-)
 MODULES = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]  # attention and mlp
 TOKENS = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, 24))
 

@@ -25,6 +25,9 @@ Sections:
              model bytes / processes + the largest tensor + 1 GiB
   small      small GPTs (d_model 128, 256, 512) on one device, float32 and bfloat16: step time and model FLOP/s
              against a plain jitted matmul's rate in the same dtype, alternated
+  adapters   full fine-tuning vs LoRA vs QLoRA (int8 base): a 1B-shape Llama's compiled train step on v5p:2x2x2 and
+             h100:8 (AOT, fsdp=8): bytes per device of the state, base weights, optimizer state and temporaries; and
+             step time on CPU at the benchmark GPT's shape, alternated
   async      the Ray engine, 4 workers with one slowed 3x by waiting: samples/s of async vs sync updates (target >= 1.5)
              and validation loss vs wall time of both, on tinyshakespeare (else the built-in text); --async-plot PNG
 """
@@ -247,6 +250,66 @@ def bench_small(args, peak) -> dict:
             "model_gflops": round(flops / 1e9, 1),
             "of_matmul": round(flops / rates[name.split(",")[1]], 3),
         }
+    return out
+
+
+# Full fine-tuning, LoRA (rank 16 on attention and MLP) and QLoRA (the same adapters over an int8 base).
+ADAPTER_VARIANTS = {
+    "full": [],
+    "lora": ["lora.rank=16", "lora.alpha=32"],
+    "qlora_int8": ["lora.rank=16", "lora.alpha=32", "lora.quantize=int8"],
+}
+# Llama 3.2 1B (vocab 128,256, 16 layers, d 2048, SwiGLU 8192) as issue 40 compiles it, one 2048-token row a device.
+ADAPTER_1B = ["mesh=fsdp=8", "batch_size=8", "seq_len=2048", "data.source=synthetic", "dtype=bfloat16", "remat=full"]
+ADAPTER_TARGETS = ("v5p:2x2x2", "h100:8")
+
+
+def adapter_memory(run) -> dict:
+    """Bytes per device of `run`'s compiled train step (XLA's figures) and of its state by part."""
+    from jaxtrain.analysis.memory import tree_device_bytes
+
+    memory, state, model = run.train_step.memory_analysis(), run.shardings.abstract_state, run.shardings.model
+    frozen = model.split(state["params"])[1] if model.freezes else {}
+    return {
+        "arguments": memory.argument_size_in_bytes,
+        "temporaries": memory.temp_size_in_bytes,
+        "params": tree_device_bytes(state["params"]),
+        "frozen_params": tree_device_bytes(frozen),
+        "optimizer_state": tree_device_bytes(state["opt_state"]),
+    }
+
+
+def bench_adapters(args, peak) -> dict:
+    """The compiled step's memory per device for each variant on each AOT target, with each figure's ratio to full
+    fine-tuning's; then CPU step times of the variants at the benchmark shape, alternated, as ratios to full's."""
+    from jaxtrain.aot.targets import compile_target
+    from jaxtrain.run_config import apply_overrides, default_config
+    from jaxtrain.training.setup import build
+
+    out: dict = {}
+    for target in ADAPTER_TARGETS:
+        devices = compile_target(target).devices
+        figures = {}
+        for name, extra in ADAPTER_VARIANTS.items():
+            cfg = apply_overrides(default_config("llama-1b"), [*ADAPTER_1B, *extra])
+            figures[name] = adapter_memory(build(cfg, log=lambda *_: None, devices=devices))
+            log(f"{target} {name}: {figures[name]}")
+        out[target] = {
+            name: {
+                **f,
+                **{f"{k}_vs_full": round(v / figures["full"][k], 3) for k, v in f.items() if figures["full"][k]},
+            }
+            for name, f in figures.items()
+        }
+    runs = {name: make(args.mesh, extra) for name, extra in ADAPTER_VARIANTS.items()}
+    times = interleaved({name: stepper(run) for name, run in runs.items()}, args.rounds, args.steps)
+    out["cpu"] = {
+        "mesh": args.mesh,
+        **{
+            name: {**throughput(runs[name], t, peak), "vs_full": round(t / times["full"], 3)}
+            for name, t in times.items()
+        },
+    }
     return out
 
 
@@ -1061,6 +1124,7 @@ SECTIONS = {
     "data": bench_data,
     "hf": bench_hf,
     "async": bench_async,
+    "adapters": bench_adapters,
     "small": bench_small,
 }
 

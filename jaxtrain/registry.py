@@ -72,8 +72,9 @@ def register_model(
       `replicate_unnamed=True`: then every device keeps the whole of it.
     - A config dataclass per preset (`presets`: preset name -> a callable returning one, e.g. the class itself),
       whose fields become `key=value` overrides. Optional fields the data reads: `vocab_size` (lm), `in_features`
-      and `n_classes` (classification). Optional `train_flops(batch_size, seq_len) -> float`, the model FLOPs of a
-      step for throughput and MFU; without it, they come from XLA's cost analysis of the compiled step, which counts
+      and `n_classes` (classification). Optional `train_flops(batch_size, seq_len, weight_gradients=True) -> float`,
+      the model FLOPs of a step for throughput and MFU (`weight_gradients=False`: with every weight frozen, as under
+      adapters, which add their own); without it, they come from XLA's cost analysis of the compiled step, which counts
       the body of a loop once (a model that scans its layers is undercounted).
 
     `default_preset`: what a bare `NAME` means (default: the first preset). Registering a name again replaces it

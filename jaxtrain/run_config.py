@@ -241,7 +241,7 @@ class CheckpointConfig(Settings):
     keep_every: int = setting(0, "also keep every M-th step's checkpoint; 0: none", at_least=0)
     restore: str = setting("", "start from this checkpoint step directory when checkpoint.dir has none")
     # A training step's params alone, with a new optimizer at step 0 (fine-tuning it on other data, SFT); a params
-    # export (an import from Hugging Face) always starts so, and so does any checkpoint with lora.rank.
+    # export (an import from Hugging Face) always starts so, and so do new adapters on a checkpoint trained without.
     restore_params_only: bool = setting(False, "restore checkpoint.restore's params only: a new optimizer at step 0")
     # Comma-separated config keys that may differ from the checkpoint's when resuming in checkpoint.dir (e.g.
     # "optimizer.learning_rate,train.steps"); the change is recorded in the run's history. Empty: none may.
@@ -282,6 +282,12 @@ class LoraConfig(Settings):
         "attention,mlp",
         "comma-separated: attention (weights with embed and heads/kv_heads dims), mlp (embed and mlp dims), weight "
         "names (w_q) or paths (blocks/w_q) as the parameter table shows them",
+    )
+    quantize: str = setting(
+        "none",
+        "how the frozen base weights are stored (QLoRA): none (as the model has them), int8, int4 or nf4 (codes and "
+        "a scale per output channel, dequantized in the matmul)",
+        choices=("none", "int8", "int4", "nf4"),  # jaxtrain.posttrain.quantized.QUANTIZE
     )
 
     def __post_init__(self) -> None:

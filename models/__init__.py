@@ -4,7 +4,7 @@ installs as the package `jaxtrain_models`, a name no other project's `models` co
 other relatively, so the folder does not depend on the name it is imported under.
 
 Each model is a plain Flax NNX module with a `loss(batch) -> (loss, metrics)` method, a frozen config dataclass
-with `train_flops(batch_size, seq_len)`, and named presets. Nothing here knows about meshes.
+with `train_flops(batch_size, seq_len, weight_gradients=True)`, and named presets. Nothing here knows about meshes.
 """
 
 from jaxtrain.registry import register_model

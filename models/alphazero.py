@@ -40,8 +40,8 @@ class AlphaZeroConfig(Settings):
         body = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
         return body + (self.hidden + 1) * (self.n_actions + 1)
 
-    def train_flops(self, batch_size: int, seq_len: int = 1) -> float:
-        return 6.0 * self.num_params() * batch_size
+    def train_flops(self, batch_size: int, seq_len: int = 1, weight_gradients: bool = True) -> float:
+        return (4.0 + 2.0 * weight_gradients) * self.num_params() * batch_size
 
 
 PRESETS = {"connect4": lambda: AlphaZeroConfig(), "tiny": lambda: AlphaZeroConfig(hidden=32, n_layers=1)}

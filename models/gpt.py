@@ -138,8 +138,9 @@ class GPTConfig(Settings):
         tables = 1 if self.tie_embeddings else 2
         return self.n_layers * per_layer + tables * self.vocab_size * self.d_model + self.d_model
 
-    def train_flops(self, batch_size: int, seq_len: int) -> float:
-        """Model FLOPs of one training step: 6 x matmul params per token, plus causal attention.
+    def train_flops(self, batch_size: int, seq_len: int, weight_gradients: bool = True) -> float:
+        """Model FLOPs of one training step: 6 x matmul params per token (2 forward, 2 for the inputs' gradients, 2
+        for the weights'; 4 without `weight_gradients`, the weights frozen), plus causal attention.
 
         Attention per token and layer: QK^T and AV are 2 x 2*T*H*K forward, x3 with backward, halved by the mask
         (a sliding window caps T). The embedding lookup is not a matmul and does not count; a tied head does.
@@ -148,7 +149,9 @@ class GPTConfig(Settings):
             self.n_layers * (self.attention_matmul_params() + self.mlp_params()) + self.vocab_size * self.d_model
         )
         seen = min(seq_len, self.sliding_window or seq_len)
-        per_token = 6.0 * matmul_params + 6.0 * self.n_layers * seen * self.n_heads * self.head_channels
+        per_token = (
+            4.0 + 2.0 * weight_gradients
+        ) * matmul_params + 6.0 * self.n_layers * seen * self.n_heads * self.head_channels
         return per_token * batch_size * seq_len
 
 

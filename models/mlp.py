@@ -28,9 +28,10 @@ class MLPConfig(Settings):
         sizes = [self.in_features] + [self.hidden] * self.n_hidden_layers + [self.n_classes]
         return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
 
-    def train_flops(self, batch_size: int, seq_len: int = 1) -> float:
-        """Model FLOPs of one training step (forward + backward = 6 x params per example)."""
-        return 6.0 * self.num_params() * batch_size
+    def train_flops(self, batch_size: int, seq_len: int = 1, weight_gradients: bool = True) -> float:
+        """Model FLOPs of one training step (forward + backward = 6 x params per example; 4 x without the weights'
+        gradients)."""
+        return (4.0 + 2.0 * weight_gradients) * self.num_params() * batch_size
 
 
 PRESETS = {

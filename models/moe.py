@@ -77,14 +77,14 @@ class MoEConfig(GPTConfig):
         """Every expert's MLP and the router."""
         return self.n_experts * 2 * self.d_model * self.d_ff + self.d_model * self.n_experts
 
-    def train_flops(self, batch_size: int, seq_len: int) -> float:
+    def train_flops(self, batch_size: int, seq_len: int, weight_gradients: bool = True) -> float:
         """Model FLOPs of one training step, counted as GPTConfig's: 6 x the matmul weights a token uses (attention,
-        the router, its `top_k` experts, the head), plus causal attention. Unused capacity and the one-hot dispatch
-        and combine einsums are overhead, not model FLOPs."""
+        the router, its `top_k` experts, the head; 4 x without `weight_gradients`), plus causal attention. Unused
+        capacity and the one-hot dispatch and combine einsums are overhead, not model FLOPs."""
         d = self.d_model
         per_layer = self.attention_matmul_params() + d * self.n_experts + self.top_k * 2 * d * self.d_ff
         attention = 6.0 * self.n_layers * seq_len * self.n_heads * self.head_channels
-        per_token = 6.0 * (self.n_layers * per_layer + d * self.vocab_size) + attention
+        per_token = (4.0 + 2.0 * weight_gradients) * (self.n_layers * per_layer + d * self.vocab_size) + attention
         return per_token * batch_size * seq_len
 
 

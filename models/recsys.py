@@ -64,12 +64,12 @@ class RecsysConfig(Settings):
         mlps = sum(a * b + b for sizes in self.mlp_sizes() for a, b in zip(sizes[:-1], sizes[1:]))
         return self.n_tables * self.vocab_size * self.embed_dim + mlps
 
-    def train_flops(self, batch_size: int, seq_len: int = 1) -> float:
-        """Model FLOPs of one training step: 6 x MLP params per example plus the interaction's dot products (a
-        lookup is not a matmul and does not count)."""
+    def train_flops(self, batch_size: int, seq_len: int = 1, weight_gradients: bool = True) -> float:
+        """Model FLOPs of one training step: 6 x MLP params per example (4 x without the weights' gradients) plus
+        the interaction's dot products (a lookup is not a matmul and does not count)."""
         mlp_params = self.num_params() - self.n_tables * self.vocab_size * self.embed_dim
         interaction = 2.0 * self.n_pairs * self.embed_dim
-        return (6.0 * mlp_params + 3.0 * interaction) * batch_size
+        return ((4.0 + 2.0 * weight_gradients) * mlp_params + 3.0 * interaction) * batch_size
 
 
 PRESETS = {

@@ -175,9 +175,10 @@ class ResNetConfig(Settings):
         convs = sum(size * size * c.kernel**2 * c.c_in * c.c_out for c, size in self.convs())
         return convs + self.head_features * self.n_classes
 
-    def train_flops(self, batch_size: int, seq_len: int = 1) -> float:
-        """Model FLOPs of one training step: 2 FLOPs per multiply-accumulate, forward + backward = 3 x forward."""
-        return 6.0 * self.forward_macs() * batch_size
+    def train_flops(self, batch_size: int, seq_len: int = 1, weight_gradients: bool = True) -> float:
+        """Model FLOPs of one training step: 2 FLOPs per multiply-accumulate, forward + backward = 3 x forward (2 x
+        without the weights' gradients)."""
+        return (4.0 + 2.0 * weight_gradients) * self.forward_macs() * batch_size
 
 
 PRESETS = {

@@ -96,3 +96,34 @@ def assert_gradients_close(got: list[np.ndarray], reference: list[np.ndarray], r
         assert g.shape == r.shape
         error, norm = np.linalg.norm(g - r), np.linalg.norm(r)
         assert error <= rtol * norm, f"leaf {leaf} {r.shape}: |got - reference| = {error:.3g}, |reference| = {norm:.3g}"
+
+
+def with_random_adapters(run: Run) -> dict:
+    """`run`'s initial train state on its devices, as host arrays in model order, with every adapter factor drawn at
+    random: B is no longer zero, so A has a gradient too."""
+    model, state = run.shardings.model, run.shardings.init_state(run.optimizer, 0)
+    trained, frozen = model.split(state["params"])
+    leaves, treedef = jax.tree.flatten(trained)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    drawn = [0.05 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    return jax.device_get({**state, "params": model.join(jax.tree.unflatten(treedef, drawn), frozen)})
+
+
+def adapter_gradients(run: Run, start: dict) -> tuple[float, list[np.ndarray]]:
+    """The loss and each adapter factor's gradient (model order) at train state `start` (model order), on `run`'s
+    mesh."""
+    shardings, model = run.shardings, run.shardings.model
+    params = shardings.state_from_model_order(start)["params"]
+    (loss, _), grads = run.compiled_grad(params, run.batch("train", 0))
+    in_model_order = shardings.params_in_model_order(model.join(grads, model.split(params)[1]))
+    return float(loss), [np.asarray(g) for g in jax.tree.leaves(jax.device_get(model.trainable(in_model_order)))]
+
+
+def assert_adapters_match_one_device(one: Run, sharded: Run, start: dict) -> None:
+    """The loss and every adapter gradient of `sharded` at `start` equal one device's (`one`), float32 within 1e-5;
+    gpt-tiny's 6 adapted weights (q k v out in down) each give A and B a nonzero gradient."""
+    ref_loss, reference = adapter_gradients(one, start)
+    assert len(reference) == 2 * 6 and all(np.abs(g).max() > 0 for g in reference)
+    loss, got = adapter_gradients(sharded, start)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_gradients_close(got, reference, rtol=1e-5)

@@ -6,6 +6,7 @@ is one line naming the file and line."""
 import contextlib
 import io
 import json
+import math
 import re
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import make_run
+from helpers import assert_gradients_close, make_run
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxtrain.cli import main
@@ -199,18 +200,22 @@ def sentence(rng: np.random.Generator, low: int, high: int) -> str:
     return " ".join(rng.choice(WORDS, rng.integers(low, high))).capitalize() + "."
 
 
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory):
-    """A byte-level BPE of 400 tokens, trained here, that knows the three families' special tokens."""
+def byte_level_bpe(texts: list[str]) -> Tokenizer:
+    """A byte-level BPE of 400 tokens trained on `texts` that knows the three families' special tokens."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    rng = np.random.default_rng(0)
-    tokenizer.train_from_iterator([sentence(rng, 3, 12) for _ in range(300)], trainer)
+    tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    return byte_level_bpe([sentence(rng, 3, 12) for _ in range(300)])
 
 
 def model_directory(bpe, family: str, directory: Path):
@@ -423,6 +428,39 @@ def test_the_loss_counts_the_assistants_tokens_only_on_every_mesh(chat_shards):
     # Pipelines take concat packing only: the weights ride along, split into microbatches as the tokens are.
     piped = make_run("pipeline=2,data=4", [*overrides, "data.packing=concat"], "llama-tiny").batch("train", 2)
     assert set(piped) == {"tokens", "loss_weights"} and piped["loss_weights"].sharding == piped["tokens"].sharding
+
+
+def test_accumulated_replica_and_pipelined_gradients_weigh_each_piece_by_its_assistant_tokens(chat_shards):
+    """Pieces of a batch hold different numbers of assistant tokens: gradient accumulation, an explicit gradient sync
+    (ring; fused, after accumulation) and a pipeline's microbatches weigh each piece's loss and gradient by its share
+    of them, so each equals one device's whole batch (a plain mean of the pieces' means, which the batch tells apart,
+    would not). Pipelines take concat packing, so theirs is compared with one device's on concat packing."""
+    overrides = [f"data.source=tokens:{chat_shards['dir']}", *CHAT_RUN]
+    concat = [*overrides, "data.packing=concat"]
+    params = make_run("data=1", overrides, "llama-tiny", devices=1).shardings.model.init_params(0)
+
+    def loss_and_gradients(mesh: str, settings: list[str]) -> tuple:  # loss, gradients, the batch, the run
+        run = make_run(mesh, settings, "llama-tiny", devices=math.prod(int(a.split("=")[1]) for a in mesh.split(",")))
+        placed = run.shardings.init_state(run.optimizer, 0, params)["params"]
+        (loss, _), grads = run.compiled_grad(placed, run.batch("train", 2))
+        grads = jax.tree.leaves(run.shardings.params_in_model_order(grads))
+        return float(loss), [np.asarray(g) for g in grads], jax.device_get(run.batch("train", 2)), run
+
+    whole_loss, whole, batch, one = loss_and_gradients("data=1", overrides)
+    loss_fn = jax.jit(one.shardings.model.loss_fn)
+    quarters = [{k: v[2 * i : 2 * i + 2] for k, v in batch.items()} for i in range(4)]
+    means = [float(loss_fn(params, q)[0]) for q in quarters]
+    assert abs(np.mean(means) / whole_loss - 1) > 2e-4, means  # 20x the tolerance below
+    cases = [
+        ("data=1", ["grad_accum=4"], whole_loss, whole),
+        ("data=4", ["allreduce.algorithm=ring"], whole_loss, whole),
+        ("data=2", ["allreduce.algorithm=fused", "grad_accum=2"], whole_loss, whole),
+        ("pipeline=2,data=2", ["pipeline.microbatches=4"], *loss_and_gradients("data=1", concat)[:2]),
+    ]
+    for mesh, extra, expected_loss, expected in cases:
+        loss, grads, _, _ = loss_and_gradients(mesh, [*(concat if "pipeline" in mesh else overrides), *extra])
+        assert loss == pytest.approx(expected_loss, rel=1e-5), (mesh, extra)
+        assert_gradients_close(grads, expected)
 
 
 def test_a_prompt_tokens_target_does_not_change_the_gradient(chat_shards):

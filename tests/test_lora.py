@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_gradients_close, make_run
+from helpers import assert_adapters_match_one_device, make_run, with_random_adapters
 
 from jaxtrain.analysis.hlo import collectives
 from jaxtrain.analysis.matmuls import matmuls
@@ -35,33 +35,13 @@ def lora_run(mesh: str):
 
 @functools.cache
 def start_state() -> dict:
-    """One device's initial train state (host arrays, model order) with every adapter factor drawn at random: B is
-    no longer zero, so A has a gradient too."""
-    run = lora_run("single")
-    model, state = run.shardings.model, run.shardings.init_state(run.optimizer, 0)
-    trained, frozen = model.split(state["params"])
-    leaves, treedef = jax.tree.flatten(trained)
-    keys = jax.random.split(jax.random.key(7), len(leaves))
-    drawn = [0.05 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
-    return jax.device_get({**state, "params": model.join(jax.tree.unflatten(treedef, drawn), frozen)})
-
-
-def adapter_gradients(run) -> tuple[float, list[np.ndarray]]:
-    """The loss and each adapter factor's gradient (model order) at `start_state`, on `run`'s mesh."""
-    shardings, model = run.shardings, run.shardings.model
-    params = shardings.state_from_model_order(start_state())["params"]
-    (loss, _), grads = run.compiled_grad(params, run.batch("train", 0))
-    in_model_order = shardings.params_in_model_order(model.join(grads, model.split(params)[1]))
-    return float(loss), [np.asarray(g) for g in jax.tree.leaves(jax.device_get(model.trainable(in_model_order)))]
+    """One device's initial train state with every adapter factor drawn at random (`with_random_adapters`)."""
+    return with_random_adapters(lora_run("single"))
 
 
 @pytest.mark.parametrize("mesh", [HYBRID, PIPELINE, CONTEXT])
 def test_loss_and_adapter_gradients_match_one_device(mesh):
-    ref_loss, reference = adapter_gradients(lora_run("single"))
-    assert len(reference) == 2 * 6 and all(np.abs(g).max() > 0 for g in reference)  # A and B of q k v out in down
-    loss, got = adapter_gradients(lora_run(mesh))
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_gradients_close(got, reference, rtol=1e-5)
+    assert_adapters_match_one_device(lora_run("single"), lora_run(mesh), start_state())
 
 
 def test_training_moves_the_adapters_and_leaves_every_base_weight_bit_identical():
@@ -119,6 +99,18 @@ def test_compiled_step_forms_no_gradient_of_a_base_weight():
     assert dots > 0 and reduced > 0, "the detector sees whole-model training's weight gradients"
     assert weight_gradient_work(lora_run(HYBRID).train_step, lora_run(HYBRID).shardings) == (0, 0)
     assert weight_gradient_work(lora_run(PIPELINE).compiled_grad, lora_run(PIPELINE).shardings) == (0, 0)
+
+
+def test_model_flops_leave_out_the_frozen_weights_gradients():
+    """MFU counts the FLOPs the step does: with adapters, not the base weights' gradients, plus the adapters' own.
+    What adapters take off our count (the model's `train_flops` without weight gradients, plus 6 per adapter param
+    and token) equals what they take off the matmul FLOPs XLA compiled for one device's gradient, exactly."""
+    full, adapted = make_run("single", list(SHAPES), devices=1), lora_run("single")
+
+    def compiled(run) -> int:
+        return sum(m.flops * m.executions for m in matmuls(run.compiled_grad.as_text()))
+
+    assert compiled(full) - compiled(adapted) == full.flops_per_step - adapted.flops_per_step > 0
 
 
 TOKENS = jnp.arange(2 * 24, dtype=jnp.int32).reshape(2, 24) % 256
@@ -190,6 +182,19 @@ def error_of(call) -> str:
         (
             lambda: apply_overrides(default_config("gpt-tiny"), ["lora.alpha=32"]),
             r"lora.alpha=32.0 set with lora.rank=0",
+        ),
+        (
+            lambda: apply_overrides(default_config("gpt-tiny"), ["lora.rank=4", "lora.quantize=int3"]),
+            r"lora.quantize='int3' is not one of none, int8, int4, nf4",
+        ),
+        (
+            lambda: apply_overrides(default_config("gpt-tiny"), ["lora.quantize=int8"]),
+            r"lora.quantize='int8' set with lora.rank=0",
+        ),
+        # 4-bit codes pair up along the down weight's contracted dim, d_ff.
+        (
+            lambda: make_run("single", ["d_ff=255", "lora.rank=4", "lora.quantize=nf4"], devices=1),
+            r"lora.quantize=nf4: weight 'blocks/w_down' has a contracted dim of odd size 255",
         ),
         (lambda: adapt(gpt_tiny_parts(), LoraConfig(), GPT_BATCH), r"lora.rank=0: expected an integer >= 1"),
         (

@@ -21,9 +21,9 @@ from jaxtrain.cli import main
 from jaxtrain.errors import ConfigError, UserInputError
 from jaxtrain.posttrain import sft_eval
 from jaxtrain.posttrain.sft_eval import GenerationEval, GenerationEvalError, register_scorer
-from jaxtrain.run_config import load_config
-from jaxtrain.training import loop
-from jaxtrain.training.checkpoint import restore_params
+from jaxtrain.run_config import LoraConfig, load_config
+from jaxtrain.training import loop, recovery
+from jaxtrain.training.checkpoint import find_checkpoint, restore_params, trained_config
 from jaxtrain.training.recovery import TokenizerMismatchError
 from jaxtrain.training.setup import build
 
@@ -192,6 +192,37 @@ def test_sft_from_a_checkpoint_and_an_export_with_and_without_lora(sft, tmp_path
         summary = sft_eval.train(cfg, log=lines.append, devices=jax.devices()[:DEVICES])
         assert any("starting from the params of step 10" in line for line in lines), (restore, extra)
         assert summary["steps"] == 2 and 0 <= summary["val_exact_match"] <= 1
+
+
+def test_a_lora_checkpoint_continues_with_its_adapters_or_starts_from_its_merged_model(sft, tmp_path):
+    """A checkpoint trained with adapters: `jaxtrain train --restore STEP` (no --model, no lora keys: the config the
+    checkpoint stores) continues it with the adapters and optimizer it stores; checkpoint.restore_params_only starts
+    from its model, every adapter folded in (the merged model's val_loss equals the adapted run's), with the whole
+    model or new adapters training; other lora settings are a one-line error naming both."""
+    run_dir = tmp_path / "lora"
+    lora = sft_train(config(sft, "lora.rank=8", "train.steps=10", "train.eval_every=10", f"checkpoint.dir={run_dir}"))
+    step = run_dir / "10"
+    # What `jaxtrain train --restore STEP` starts from without --model or --config: the lora keys included.
+    assert trained_config(*find_checkpoint(step)).lora == LoraConfig(rank=8)
+
+    def started(*overrides: str):
+        cfg = config(sft, *overrides, restore=str(step))
+        run = build(cfg, log=lambda *_: None, devices=jax.devices()[:DEVICES])
+        lines = []
+        state, progress = recovery.initial_state(run, None, lines.append)
+        return run, state, progress, lines
+
+    run, state, progress, lines = started("lora.rank=8")
+    assert progress.step == 10 and "starting a new run from step 10" in lines[0]
+    run, state, progress, lines = started("checkpoint.restore_params_only=true")
+    assert progress.step == 0 and not run.shardings.model.freezes
+    assert loop.evaluate(run, state["params"])["val_loss"] == pytest.approx(lora["val_loss"], rel=1e-5)
+    run, state, progress, lines = started("checkpoint.restore_params_only=true", "lora.rank=4")
+    assert progress.step == 0 and "new adapters" in lines[0]
+    assert loop.evaluate(run, state["params"])["val_loss"] == pytest.approx(lora["val_loss"], rel=1e-5)
+    with pytest.raises(recovery.AdapterRestoreError) as err:
+        started("lora.rank=4")
+    assert "lora.rank=8" in one_line(err) and "lora.rank=4" in one_line(err) and "restore_params_only" in one_line(err)
 
 
 def numpy_val_loss(run, params, batches: int) -> float:

@@ -38,13 +38,13 @@ from jaxtrain.data.tokens import token_sources, tokenizer_of
 from jaxtrain.errors import UserInputError
 from jaxtrain.formatting import fmt_bytes
 from jaxtrain.inference.sampling import Sampling, sample
-from jaxtrain.interop.adapted import restore_merged
 from jaxtrain.placement.place import PlacedModel, place_model
 from jaxtrain.placement.shardings import Shardings
 from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.constraints import activation_sharding
 from jaxtrain.sharding.mesh import MeshLayout, build_mesh, parse_layout
 from jaxtrain.sharding.rules import logical_to_spec
+from jaxtrain.training.adapted_checkpoints import restore_merged
 from jaxtrain.training.checkpoint import carried_files, find_checkpoint, trained_config
 from jaxtrain.training.distributed import to_host
 

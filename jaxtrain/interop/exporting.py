@@ -7,7 +7,8 @@ time, turned into the Hugging Face layout and streamed into safetensors files of
 memory holds one tensor besides the sharded model. config.json names the architecture that computes the model
 (`architectures.architecture_for`); a model imported from Hugging Face keeps its source's other config fields and
 tokenizer files. Written to a temporary directory, then renamed: the output never holds half an export. A run
-trained with adapters exports merged (`adapted.restore_merged`); `peft_export` writes its adapters for peft.
+trained with adapters exports merged (`jaxtrain.training.adapted_checkpoints.restore_merged`); `peft_export` writes
+its adapters for peft.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import jax
 import numpy as np
 
 from jaxtrain.errors import UserInputError
-from jaxtrain.interop.adapted import restore_merged
 from jaxtrain.interop.architectures import Tensor, architecture_for, hf_config
 from jaxtrain.interop.importing import PARAM_DTYPES, carry_files
 from jaxtrain.interop.tensor_files import Pending, write_tensors
 from jaxtrain.placement.place import place_model
 from jaxtrain.run_config import RunConfig
+from jaxtrain.training.adapted_checkpoints import restore_merged
 from jaxtrain.training.checkpoint import carried_files, find_checkpoint, trained_config
 
 PyTree = Any

@@ -31,13 +31,13 @@ import jax
 import numpy as np
 
 from jaxtrain.errors import UserInputError
-from jaxtrain.interop.adapted import restore_adapters, stored_lora, with_stored_adapters
 from jaxtrain.interop.architectures import Tensor, architecture_for
 from jaxtrain.interop.exporting import HFExportError, check_output, decoder_config, pending_tensor
 from jaxtrain.interop.tensor_files import write_tensors
 from jaxtrain.placement.place import place_model
 from jaxtrain.posttrain.adapters import AdaptedModel, Letters, Target
 from jaxtrain.run_config import LoraConfig
+from jaxtrain.training.adapted_checkpoints import restore_adapters, stored_lora, with_stored_adapters
 from jaxtrain.training.checkpoint import carried_files, find_checkpoint, is_params_export
 
 PyTree = Any

@@ -19,7 +19,8 @@ measurements):
 A weight that is not an array computes its own projection: `project` hands `x` to its `projected(spec, x)`. That is
 how a frozen weight with a low-rank adapter (LoRA, `jaxtrain.posttrain.adapters.Adapted`) changes what every model
 computes without the model changing; its pieces are `weight_matmul` (a trained weight's matmul, unnamed) and
-`frozen_matmul` (a weight that forms no gradient).
+`frozen_matmul` (a weight that forms no gradient: a float array, or a qwix `QArray` of a quantized base, QLoRA's,
+dequantized in the matmul by `qwix.einsum`).
 
 >>> import jax, jax.numpy as jnp
 >>> from jaxtrain.ops.projection import project
@@ -36,6 +37,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import qwix
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.ops.cotangent import unfused_on_cpu
@@ -73,9 +75,12 @@ def weight_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return _project(spec, w.dtype, x, w)
 
 
-def frozen_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def frozen_matmul(spec: str, x: jax.Array, w: jax.Array | qwix.QArray) -> jax.Array:
     """`jnp.einsum(spec, x, w.astype(x.dtype))` differentiated in `x` only: `w` is frozen, and its gradient is never
-    formed, not even as dead code for XLA to drop (an adapted weight's base, `jaxtrain.posttrain.adapters`)."""
+    formed, not even as dead code for XLA to drop (an adapted weight's base, `jaxtrain.posttrain.adapters`). `w` may
+    be a qwix `QArray` (a quantized base, `jaxtrain.posttrain.quantized`): it is dequantized in the matmul."""
+    if isinstance(w, qwix.QArray):
+        return _frozen_quantized(spec, x, w)
     return _frozen(spec, x, w)
 
 
@@ -124,3 +129,24 @@ def _frozen_backward(spec: str, cast: jax.Array, dy: jax.Array) -> tuple[jax.Arr
 
 
 _frozen.defvjp(_frozen_forward, _frozen_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _frozen_quantized(spec: str, x: jax.Array, w: qwix.QArray) -> jax.Array:
+    return qwix.einsum(spec, x, w.astype(x.dtype))  # qwix dequantizes `w` in front of the dot, for XLA to fuse
+
+
+def _frozen_quantized_forward(spec: str, x: jax.Array, w: qwix.QArray) -> tuple[jax.Array, qwix.QArray]:
+    # Kept for the input gradient: the codes and scales, dequantized again there, not a float copy of the weight
+    # (QLoRA's saving would otherwise be lost between the passes).
+    return _frozen_quantized(spec, x, w), w
+
+
+def _frozen_quantized_backward(spec: str, w: qwix.QArray, dy: jax.Array) -> tuple[jax.Array, None]:
+    inputs, out = spec.split("->")
+    x_dims, w_dims = inputs.split(",")
+    dx = qwix.einsum(f"{out},{w_dims}->{x_dims}", unfused_on_cpu(dy), w.astype(dy.dtype))
+    return dx.astype(dy.dtype), None  # the output has x's dtype, so dy does too; no cotangent for the codes
+
+
+_frozen_quantized.defvjp(_frozen_quantized_forward, _frozen_quantized_backward)

@@ -110,3 +110,15 @@ def target_weights(segment_ids: jax.Array | None, loss_weights: jax.Array | None
         return weights
     same = ((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)).astype(jnp.float32)
     return same if weights is None else same * weights
+
+
+def counted_targets(batch: dict[str, jax.Array]) -> jax.Array:
+    """How many targets of `batch` a loss that is a mean over targets counts, float32: the sum of a language batch's
+    target weights (`target_weights`: documents' own targets, chat data's loss-weighted tokens), or every target;
+    a batch without tokens counts each of its examples once. Weighs a batch's mean in a mean over several."""
+    tokens = batch.get("tokens")
+    if tokens is None:
+        return jnp.float32(next(iter(batch.values())).shape[0])
+    weights = target_weights(batch.get("segment_ids"), batch.get("loss_weights"))
+    every = tokens.shape[0] * (tokens.shape[1] - 1)
+    return jnp.float32(every) if weights is None else jnp.sum(weights, dtype=jnp.float32)

@@ -46,7 +46,15 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxtrain.errors import UserInputError
 from jaxtrain.parallel.schedules import Schedule, build_schedule, check_schedule
-from jaxtrain.parallel.step import GradFn, LossFn, merge_microbatches, split_microbatches, trained_leaves
+from jaxtrain.parallel.step import (
+    CountFn,
+    GradFn,
+    LossFn,
+    merge_microbatches,
+    microbatch_shares,
+    split_microbatches,
+    trained_leaves,
+)
 from jaxtrain.sharding.constraints import constrain, layer_runner
 from jaxtrain.sharding.rules import is_layer_stack, is_logical_names
 
@@ -259,6 +267,9 @@ class Pipeline:
     # What a forward keeps for its backward: "residuals" (autodiff's, no recompute) or "inputs" (the chunk's
     # input only; the backward recomputes the chunk's forward: less memory, one more forward).
     stash: str = "residuals"
+    # How many targets a microbatch's loss is the mean over: the loss and gradients weigh each microbatch by its
+    # share of them (`step.microbatch_shares`), so that they are the whole batch's; None: microbatches weigh alike.
+    count: CountFn | None = None
 
     def describe(self) -> str:
         return self.schedule.describe() + "\n" + self.layout.describe(self.costs)
@@ -270,15 +281,17 @@ class Pipeline:
 
     def value_and_grad(self, loss_fn: LossFn, trainable: Callable[[PyTree], PyTree] | None = None) -> GradFn:
         """((loss, metrics), grads) of `loss_fn` on a batch, equal to `jax.value_and_grad(loss_fn)` up to rounding
-        (the loss is the mean over M equal microbatches). Params arrive, and gradients leave, in `layout` order.
-        `trainable`: the part of the params to differentiate, as `jaxtrain.parallel.step.value_and_grad_of` takes it."""
+        (the loss is the mean of the M microbatches' losses, each weighed by its share of the targets: `count`).
+        Params arrive, and gradients leave, in `layout` order. `trainable`: the part of the params to differentiate,
+        as `jaxtrain.parallel.step.value_and_grad_of` takes it."""
+        recompute = self.stash == "inputs"
         return _pipelined(
-            loss_fn, self.mesh, self.logical_names, self.layout, self.schedule, True, self.stash == "inputs", trainable
+            loss_fn, self.mesh, self.logical_names, self.layout, self.schedule, True, self.count, recompute, trainable
         )
 
     def loss(self, loss_fn: LossFn) -> LossFn:
         """(loss, metrics) only, for evaluation."""
-        return _pipelined(loss_fn, self.mesh, self.logical_names, self.layout, self.forward_schedule, False)
+        return _pipelined(loss_fn, self.mesh, self.logical_names, self.layout, self.forward_schedule, False, self.count)
 
 
 def make_pipeline(
@@ -293,11 +306,13 @@ def make_pipeline(
     virtual: int = 1,
     balance: str = "cost",
     stash: str = "residuals",
+    count: CountFn | None = None,
 ) -> Pipeline:
     """Check the configuration, assign layers to stages and build the schedule's tables.
 
     `microbatches`: 0 means one per stage. `batch_shapes`: the rows of one gradient computation (after any
-    gradient accumulation split), which must divide into the microbatches.
+    gradient accumulation split), which must divide into the microbatches. `count`: a batch's targets (see
+    `Pipeline.count`).
     """
     stages = mesh.shape["pipeline"]
     microbatches = microbatches or stages
@@ -323,6 +338,7 @@ def make_pipeline(
         build_schedule(schedule, stages, virtual, microbatches, forward_only=True),
         costs,
         stash,
+        count,
     )
 
 
@@ -343,7 +359,7 @@ def _check_microbatches(batch: dict, microbatches: int) -> int:
     return rows
 
 
-def _pipelined(loss_fn, mesh, logical_names, layout, schedule, with_grads, recompute=False, trainable=None):
+def _pipelined(loss_fn, mesh, logical_names, layout, schedule, with_grads, count, recompute=False, trainable=None):
     names = jax.tree.leaves(logical_names, is_leaf=is_logical_names)
     microbatches = schedule.microbatches
 
@@ -357,6 +373,7 @@ def _pipelined(loss_fn, mesh, logical_names, layout, schedule, with_grads, recom
         x, pre_vjp = jax.vjp(lambda o: pieces.pre(_put(outer, mask, o), stacked, batch), _take(outer, mask))
         micro = jax.tree.map(lambda b: split_microbatches(b, microbatches), batch)
         x_micro = split_microbatches(x, microbatches)
+        shares = microbatch_shares(micro, count)
         specs = ([PartitionSpec()] * len(outer), [PartitionSpec("pipeline")] * len(stacked))
         loss_specs = (PartitionSpec(), PartitionSpec())
         # The trained outer and stacked params' gradients, and d(loss)/d(x).
@@ -365,12 +382,12 @@ def _pipelined(loss_fn, mesh, logical_names, layout, schedule, with_grads, recom
         results = jax.shard_map(
             functools.partial(_stage_program, pieces, layout, schedule, with_grads, recompute),
             mesh=mesh,
-            in_specs=(*specs, PartitionSpec(), PartitionSpec()),
+            in_specs=(*specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
             out_specs=(loss_specs, grad_specs) if with_grads else loss_specs,
             axis_names={"pipeline"},
             # Results are made equal across stages by the final psums; the loop state differs per stage.
             check_vma=False,
-        )(outer, stacked, micro, x_micro)
+        )(outer, stacked, micro, x_micro, shares)
         if not with_grads:
             return results
         (loss, metrics), (d_outer, d_stacked, d_x) = results
@@ -401,14 +418,15 @@ def _stage_program(
     stacked,
     micro,
     x_micro,
+    shares,
 ):
     """One device's whole step: the tick loop over `schedule`, then results summed over the stages.
 
     outer/stacked: the params (of the stacked ones, this device's rows); micro: (M, B/M, ...) the batch split into
-    microbatches; x_micro: (M, B/M, ...) each microbatch's input to the first layer.
-    Returns (loss, metrics), and with grads: (d_outer, d_stacked, d_x_micro).
+    microbatches; x_micro: (M, B/M, ...) each microbatch's input to the first layer; shares: (M,) each microbatch's
+    weight in the loss. Returns (loss, metrics), and with grads: (d_outer, d_stacked, d_x_micro).
     """
-    stage = _Stage.inside(pieces, layout, schedule, with_grads, outer, stacked, micro, x_micro)
+    stage = _Stage.inside(pieces, layout, schedule, with_grads, outer, stacked, micro, x_micro, shares)
     stash = None  # what each forward keeps for its backward
     if with_grads:
         stash = _InputStash(stage) if recompute else _ResidualStash(stage)
@@ -434,7 +452,7 @@ class _Stage:
 
     outer/stacked: the params (stacked leaves: this device's rows, V chunks of `layout.slots` rows each);
     micro: (M, B/M, ...) the batch split into microbatches; x_micro: (M, B/M, ...) each microbatch's input to the
-    first layer; index: this device's place on the pipeline axis.
+    first layer; shares: (M,) each microbatch's weight in the loss; index: this device's place on the pipeline axis.
     """
 
     pieces: _ModelPieces
@@ -445,6 +463,7 @@ class _Stage:
     stacked: list
     micro: dict
     x_micro: jax.Array
+    shares: jax.Array
     index: jax.Array
     first_micro: dict
     layer: Callable  # the model's layer function: (x, one layer's params) -> x
@@ -452,7 +471,7 @@ class _Stage:
     counts: jax.Array  # (V, P): layers in chunk v of device s; rows past the count are padding
 
     @classmethod
-    def inside(cls, pieces, layout, schedule, with_grads, outer, stacked, micro, x_micro) -> _Stage:
+    def inside(cls, pieces, layout, schedule, with_grads, outer, stacked, micro, x_micro, shares) -> _Stage:
         """Called inside the shard_map, where the pipeline axis index is known."""
         index = jax.lax.axis_index("pipeline")
         first_micro = jax.tree.map(lambda x: x[0], micro)
@@ -467,6 +486,7 @@ class _Stage:
             stacked=stacked,
             micro=micro,
             x_micro=x_micro,
+            shares=shares,
             index=index,
             first_micro=first_micro,
             layer=layer,
@@ -708,14 +728,20 @@ def _loss_tick(stage: _Stage, work: _Work, out: jax.Array) -> tuple[jax.Array, P
 def _loss_and_grads(stage: _Stage, out: jax.Array, m: jax.Array) -> tuple[jax.Array, PyTree, jax.Array, list]:
     """The loss of microbatch m from the last layer's output `out`, and with grads its gradients (see `_loss_tick`)."""
     outer, stacked, micro, mask = stage.outer, stage.stacked, stage.micro_at(m), stage.pieces.outer_trains
+    share = stage.shares[m]  # the step's loss is the microbatches' losses weighed by their shares
     if not stage.with_grads:
         loss, metrics = stage.pieces.post(outer, stacked, out, micro)
-        return loss, metrics, stage.placeholder(), stage.pin_outer([jnp.zeros_like(o) for o in stage.trained_outer()])
+        zeros = stage.pin_outer([jnp.zeros_like(o) for o in stage.trained_outer()])
+        return share * loss, _weighed(metrics, share), stage.placeholder(), zeros
     loss, post_vjp, metrics = jax.vjp(
         lambda o, h: stage.pieces.post(_put(outer, mask, o), stacked, h, micro), _take(outer, mask), out, has_aux=True
     )
-    d_outer, d_out = post_vjp(jnp.ones_like(loss) / stage.schedule.microbatches)  # the loss is the microbatches' mean
-    return loss, metrics, _pin_activation(d_out), stage.pin_outer(d_outer)
+    d_outer, d_out = post_vjp(share * jnp.ones_like(loss))
+    return share * loss, _weighed(metrics, share), _pin_activation(d_out), stage.pin_outer(d_outer)
+
+
+def _weighed(metrics: PyTree, share: jax.Array) -> PyTree:
+    return jax.tree.map(lambda x: (share * x).astype(x.dtype), metrics)
 
 
 def _no_loss(stage: _Stage, compute: Callable) -> tuple[jax.Array, PyTree, jax.Array, list]:
@@ -747,9 +773,10 @@ def _backward(stage: _Stage, stash: _Stash, work: _Work, carry: _Carry) -> tuple
 def _sum_over_stages(stage: _Stage, carry: _Carry) -> tuple:
     """The step's results from each device's carry: (loss, metrics), and with grads (d_outer, d_stacked, d_x)."""
     m_count = stage.schedule.microbatches
-    # Only the last stage computed losses; only the first and last stages touched the outer params and d_x.
-    loss = jax.lax.psum(carry.loss, "pipeline") / m_count
-    metrics = jax.tree.map(lambda x: jax.lax.psum(x, "pipeline") / m_count, carry.metrics)
+    # Only the last stage computed losses (each weighed by its share); only the first and last stages touched the
+    # outer params and d_x.
+    loss = jax.lax.psum(carry.loss, "pipeline")
+    metrics = jax.tree.map(lambda x: jax.lax.psum(x, "pipeline"), carry.metrics)
     if not stage.with_grads:
         return loss, metrics
     d_outer = [jax.lax.psum(g, "pipeline") for g in carry.d_outer]

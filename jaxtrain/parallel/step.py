@@ -23,6 +23,7 @@ from jaxtrain.sharding.constraints import constrain
 PyTree = Any
 LossFn = Callable[[PyTree, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 GradFn = Callable[[PyTree, dict[str, jax.Array]], tuple[tuple[jax.Array, dict], PyTree]]
+CountFn = Callable[[dict[str, jax.Array]], jax.Array]  # a batch -> how many targets its loss is the mean over
 
 
 def trained_leaves(treedef: Any, trainable: Callable[[PyTree], PyTree]) -> list[int]:
@@ -68,25 +69,40 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
     return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def accumulate_gradients(grad_fn: GradFn, pieces: int) -> GradFn:
-    """Split the batch into `pieces` microbatches, run them one after another with `lax.scan`, average.
+def accumulate_gradients(grad_fn: GradFn, pieces: int, count: CountFn | None = None) -> GradFn:
+    """Split the batch into `pieces` microbatches, run them one after another with `lax.scan`, and average their
+    losses, metrics and gradients, each piece weighted by its share of the batch's targets (`count`: how many targets
+    a piece's loss is the mean over; equal pieces where None).
 
-    Equals one step on the whole batch when the loss is a mean over equal-sized examples.
+    Equals one step on the whole batch when the loss is a mean over the targets `count` counts: also where pieces hold
+    different numbers of them (packed documents, chat data's assistant tokens), which a plain mean of the pieces'
+    means would weigh wrongly.
     """
     if pieces == 1:
         return grad_fn
 
     def accumulated(params: PyTree, batch: dict[str, jax.Array]):
-        def add_one(total, micro):
-            return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
+        def add_one(total, piece):
+            micro, share = piece
+            return jax.tree.map(jnp.add, total, _scaled(grad_fn(params, micro), share)), None
 
         micro = jax.tree.map(lambda x: split_microbatches(x, pieces), batch)
         shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        total, _ = jax.lax.scan(add_one, zeros, micro)
-        return jax.tree.map(lambda x: x / pieces, total)
+        total, _ = jax.lax.scan(add_one, zeros, (micro, microbatch_shares(micro, count)))
+        return total
 
     return accumulated
+
+
+def microbatch_shares(micro: dict[str, jax.Array], count: CountFn | None) -> jax.Array:
+    """Each microbatch's share of the targets (`count`: a batch's; None: each the same share), (M,) float32, for
+    `micro` (M, rows, ...): the weights that make the mean of their means the mean over the whole batch."""
+    pieces = jax.tree.leaves(micro)[0].shape[0]
+    if count is None:
+        return jnp.full((pieces,), 1.0 / pieces, jnp.float32)
+    counts = jax.vmap(count)(micro)
+    return counts / jnp.maximum(jnp.sum(counts), 1.0)  # no targets at all: every loss is 0, and so is every share
 
 
 def replica_gradients(
@@ -94,6 +110,7 @@ def replica_gradients(
     mesh: Mesh,
     batch_axes: tuple[str, ...],
     mean_gradients: Callable[[PyTree], PyTree] | None = None,
+    count: CountFn | None = None,
 ) -> GradFn:
     """Pure data parallel: each replica computes loss and gradient on its own rows, then they are averaged: by
     `mean_gradients` (an explicit algorithm, run inside the shard_map) with a pmean of loss and metrics, or by
@@ -106,10 +123,20 @@ def replica_gradients(
     are equal on every replica by construction, which the type system cannot see through dynamic indexing).
     """
 
+    # With `count`, each replica's results are weighted by its share of the targets, so that their mean is the
+    # batch's.
     def per_replica(params: PyTree, batch: dict[str, jax.Array]):
-        if mean_gradients is None:
-            return jax.lax.pmean(grad_fn(params, batch), batch_axes)
-        (loss, metrics), grads = grad_fn(params, batch)
+        result = grad_fn(params, batch)
+        local = None if count is None else count(batch)
+        if mean_gradients is None and local is None:
+            return jax.lax.pmean(result, batch_axes)
+        if mean_gradients is None:  # still one all-reduce: the weighted sums and the weights together
+            summed, total = jax.lax.psum((_scaled(result, local), local), batch_axes)
+            return _scaled(summed, 1.0 / jnp.maximum(total, 1.0))
+        if local is not None:  # a share around 1 a replica: the algorithm averages
+            total = jnp.maximum(jax.lax.psum(local, batch_axes), 1.0)
+            result = _scaled(result, local * jax.lax.psum(1, batch_axes) / total)
+        (loss, metrics), grads = result
         return jax.lax.pmean((loss, metrics), batch_axes), mean_gradients(grads)
 
     return jax.shard_map(
@@ -119,6 +146,10 @@ def replica_gradients(
         out_specs=PartitionSpec(),
         check_vma=False,
     )
+
+
+def _scaled(tree: PyTree, factor: jax.Array) -> PyTree:
+    return jax.tree.map(lambda x: (factor * x).astype(x.dtype), tree)
 
 
 def train_step(

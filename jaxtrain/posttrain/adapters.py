@@ -21,6 +21,10 @@ state for them only (`AdaptedModel.trainable`); the base weights pass through th
 (`jaxtrain.parallel.step.train_part`), and no gradient of one is formed, not even as dead code (`frozen_matmul`).
 `AdaptedModel.merge` folds the adapters into the weights, W + (alpha / rank) · A·B, for generation or export.
 
+QLoRA (`lora.quantize`): the base is stored quantized, {"base": {"qvalue", "scale"}, "lora_a", "lora_b"}, and
+dequantized in the matmul (`jaxtrain.posttrain.quantized`, on qwix); initialising from float weights quantizes them,
+and `merge` dequantizes them before folding the adapters in.
+
 >>> from jaxtrain.run_config import LoraConfig
 >>> adapted = adapt(placed.model, LoraConfig(rank=8), batch_shapes)                    # doctest: +SKIP
 >>> merged = adapted.merge(state["params"])            # the base model's params        # doctest: +SKIP
@@ -41,6 +45,7 @@ from jaxtrain.errors import UserInputError
 from jaxtrain.ops.cotangent import unfused_on_cpu
 from jaxtrain.ops.projection import frozen_matmul, weight_matmul
 from jaxtrain.placement.model import ModelParts, path_str
+from jaxtrain.posttrain import quantized
 from jaxtrain.run_config import LoraConfig
 from jaxtrain.sharding.rules import is_logical_names
 
@@ -119,7 +124,7 @@ class Adapted(_StandIn):
     """A frozen weight with its low-rank adapter, where the model reads the weight: `project` computes
     x·base + scale · (dropout(x)·a)·b with it, forming gradients for `a` and `b` and none for `base`."""
 
-    base: jax.Array
+    base: jax.Array | quantized.Stored  # Stored: the base stored quantized (QLoRA)
     a: jax.Array
     b: jax.Array
     seed: jax.Array | None  # uint32, this layer's dropout seed (None without dropout)
@@ -131,7 +136,8 @@ class Adapted(_StandIn):
         letters = Letters.of(spec)
         low = weight_matmul(f"{letters.x},{letters.a}->{letters.h}", self._dropped(x), self.a)  # (..., r)
         low = low * jnp.asarray(self.scale, low.dtype)  # scaled at rank width, the narrowest point
-        y = frozen_matmul(spec, x, self.base) + weight_matmul(f"{letters.h},{letters.b}->{letters.out}", low, self.b)
+        base = self.base.qarray() if isinstance(self.base, quantized.Stored) else self.base
+        y = frozen_matmul(spec, x, base) + weight_matmul(f"{letters.h},{letters.b}->{letters.out}", low, self.b)
         # Written out, as the base model's matmul output is: fused into its reader (RoPE's rotation), the sum changes
         # how XLA:CPU compiles the reader's float32 math, and the last bits with it; so with B = 0 the model
         # computes the base model's numbers bit for bit (tests/test_lora.py).
@@ -188,12 +194,14 @@ class Target(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class AdaptedModel(ModelParts):
     """A model whose `targets` carry low-rank adapters: its params hold {"base", "lora_a", "lora_b"} at each target
-    (and "dropout_seed", per stacked layer, with dropout), everything else as the model has it and frozen."""
+    (and "dropout_seed", per stacked layer, with dropout), everything else as the model has it and frozen. With
+    `quantize` other than "none" each "base" is {"qvalue", "scale"} (`jaxtrain.posttrain.quantized`)."""
 
     targets: Mapping[Path, Target] = dataclasses.field(default_factory=dict)
     rank: int = 8
     scale: float = 2.0  # alpha / rank
     dropout: float = 0.0
+    quantize: str = "none"  # lora.quantize: how the base weights are stored
 
     def module(self, params: PyTree) -> nnx.Module:
         """The model with `params`, each adapted weight an `Adapted` (no dropout): it computes as `loss_fn` does."""
@@ -206,14 +214,16 @@ class AdaptedModel(ModelParts):
         """`params` with each adapted weight's entries turned into the `Adapted` the model reads."""
 
         def stand_in(path: Path, entry: dict) -> Adapted:
-            seed = entry.get("dropout_seed")
-            return Adapted(entry["base"], entry["lora_a"], entry["lora_b"], seed, _name(path), self.scale, dropout)
+            seed, base = entry.get("dropout_seed"), entry["base"]
+            if quantized.is_quantized(base):
+                base = quantized.stored(base, self.quantize, self.targets[path].spec)
+            return Adapted(base, entry["lora_a"], entry["lora_b"], seed, _name(path), self.scale, dropout)
 
         return _replace_at(params, self.targets, stand_in)
 
     def init_params(self, seed: int, base: PyTree | None = None) -> PyTree:
         """The model's params (its own initialisation, or `base`) with new adapters: A uniform in +-1/sqrt(fan-in),
-        B zero, drawn from `seed` apart from the model's own draws."""
+        B zero, drawn from `seed` apart from the model's own draws. With `quantize`, each base weight is quantized."""
         base = super().init_params(seed, base)
         key = jax.random.fold_in(jax.random.key(seed), 0x10A)  # not the stream nnx.Rngs(seed) draws the model from
 
@@ -222,7 +232,7 @@ class AdaptedModel(ModelParts):
             a_shape, b_shape = target.factor_dims(weight.shape, self.rank)
             bound = 1.0 / math.sqrt(target.fan_in(weight.shape))
             entry = {
-                "base": weight,
+                "base": self._stored(target, weight),
                 "lora_a": jax.random.uniform(jax.random.fold_in(k, 0), a_shape, jnp.float32, -bound, bound),
                 "lora_b": jnp.zeros(b_shape, jnp.float32),
             }
@@ -232,6 +242,19 @@ class AdaptedModel(ModelParts):
 
         order = {path: i for i, path in enumerate(self.targets)}
         return _replace_at(base, self.targets, lambda path, weight: with_adapter(order[path], path, weight))
+
+    def _stored(self, target: Target, weight: jax.Array) -> Any:
+        """A base weight as the params hold it: as it is, or quantized."""
+        if self.quantize == "none":
+            return weight
+        return quantized.quantize(weight, self.quantize, target.spec, target.lead)
+
+    def _float_base(self, path: Path, entry: dict) -> Any:
+        """An entry's base weight in float (dequantized where it is stored quantized)."""
+        base = entry["base"]
+        if not quantized.is_quantized(base):
+            return base
+        return quantized.dequantize(base, self.quantize, self.targets[path].spec)
 
     @property
     def freezes(self) -> bool:
@@ -267,17 +290,21 @@ class AdaptedModel(ModelParts):
         return _replace_at(frozen, self.targets, stepped)
 
     def merge(self, params: PyTree) -> PyTree:
-        """The base model's params with every adapter folded in: W + (alpha / rank) · A·B."""
+        """The base model's params with every adapter folded in: W + (alpha / rank) · A·B (W dequantized where the
+        base is stored quantized)."""
 
         def merged(path: Path, entry: dict) -> jax.Array:
             letters, lead = Letters.of(self.targets[path].spec), _free_letters(self.targets[path])
             product = jnp.einsum(f"{lead}{letters.a},{lead}{letters.b}->{lead}{letters.w}", *_factors(entry))
-            return entry["base"] + self.scale * product.astype(entry["base"].dtype)
+            base = self._float_base(path, entry)
+            return base + self.scale * product.astype(base.dtype)
 
         return _replace_at(params, self.targets, merged)
 
     def base_params(self, params: PyTree) -> PyTree:
-        return _replace_at(params, self.targets, lambda _, entry: entry["base"])
+        """The base model's params, dequantized where stored quantized; of abstract params, the float weights'
+        shapes (what a checkpoint to fine-tune from holds)."""
+        return _replace_at(params, self.targets, self._float_base)
 
 
 def _factors(entry: dict) -> tuple[jax.Array, jax.Array]:
@@ -304,9 +331,11 @@ def adapt(model: ModelParts, lora: LoraConfig, batch: Mapping[str, jax.ShapeDtyp
     specs = _probe_specs(model, paths, batch)
     weights = dict(_flat(model.abstract_params))
     targets = {path: Target(specs[path], weights[path].ndim - len(Letters.of(specs[path]).w)) for path in paths}
+    if lora.quantize in ("int4", "nf4"):
+        _check_packable(targets, weights, lora.quantize)
     adapted = AdaptedModel(
         model.graphdef, model.abstract_params, model.logical_names, model.build,
-        targets=targets, rank=lora.rank, scale=lora.alpha / lora.rank, dropout=lora.dropout,
+        targets=targets, rank=lora.rank, scale=lora.alpha / lora.rank, dropout=lora.dropout, quantize=lora.quantize,
     )  # fmt: skip
     return dataclasses.replace(
         adapted,
@@ -315,29 +344,41 @@ def adapt(model: ModelParts, lora: LoraConfig, batch: Mapping[str, jax.ShapeDtyp
     )
 
 
-def _abstract_entry(target: Target, weight: jax.ShapeDtypeStruct, rank: int, dropout: bool) -> dict:
-    a, b = target.factor_dims(weight.shape, rank)
+def _check_packable(targets: Mapping[Path, Target], weights: Mapping[Path, Any], kind: str) -> None:
+    """4-bit codes pair up along each weight's last contracted dim (`quantized.packed_axis`): it must be even."""
+    for path, target in targets.items():
+        size = weights[path].shape[quantized.packed_axis(target.spec)]
+        if size % 2:
+            raise AdapterError(
+                f"lora.quantize={kind}: weight '{_name(path)}' has a contracted dim of odd size {size}, and its 4-bit "
+                "codes are stored two to a byte along it; use lora.quantize=int8, or leave the weight out of "
+                "lora.targets."
+            )
+
+
+def _abstract_entry(target: Target, weight: jax.ShapeDtypeStruct, adapted: AdaptedModel) -> dict:
+    a, b = target.factor_dims(weight.shape, adapted.rank)
+    kind = adapted.quantize
     entry = {
-        "base": weight,
+        "base": weight if kind == "none" else quantized.abstract(weight, kind, target.spec, target.lead),
         "lora_a": jax.ShapeDtypeStruct(a, jnp.float32),
         "lora_b": jax.ShapeDtypeStruct(b, jnp.float32),
     }
-    if dropout:
+    if adapted.dropout:
         entry["dropout_seed"] = jax.ShapeDtypeStruct(weight.shape[: target.lead], jnp.uint32)
     return entry
 
 
-def _names_entry(target: Target, names: tuple, rank: int, dropout: bool) -> dict:
+def _names_entry(target: Target, names: tuple, adapted: AdaptedModel) -> dict:
     a, b = target.factor_dims(names, RANK)
-    entry = {"base": names, "lora_a": a, "lora_b": b}
-    return {**entry, "dropout_seed": names[: target.lead]} if dropout else entry
+    base = names if adapted.quantize == "none" else quantized.names(names, target.spec, target.lead)
+    entry = {"base": base, "lora_a": a, "lora_b": b}
+    return {**entry, "dropout_seed": names[: target.lead]} if adapted.dropout else entry
 
 
 def _with_factors(adapted: AdaptedModel, tree: PyTree, entry: Callable[..., dict]) -> PyTree:
     """`tree` (abstract params or logical names) with each target's entry as `entry` makes it."""
-    return _replace_at(
-        tree, adapted.targets, lambda path, w: entry(adapted.targets[path], w, adapted.rank, bool(adapted.dropout))
-    )
+    return _replace_at(tree, adapted.targets, lambda path, w: entry(adapted.targets[path], w, adapted))
 
 
 def _chosen(model: ModelParts, targets: str) -> list[Path]:

@@ -344,15 +344,16 @@ def find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
     return found
 
 
-# What a model's use after training (generation, evaluation) needs of the run config a checkpoint stores: the model,
-# its data (the tokenizer) and the sharding rules. The rest (optimizer, schedule, loop settings) is not read, so a
-# checkpoint stays usable after jaxtrain renames one of those keys.
-_MODEL_KEYS = ("model_name", "model", "rules")
+# What a model's use after training (generation, evaluation, training on) needs of the run config a checkpoint
+# stores: the model, the adapters it trained, its data (the tokenizer) and the sharding rules. The rest (optimizer,
+# schedule, loop settings) is not read, so a checkpoint stays usable after jaxtrain renames one of those keys.
+_MODEL_KEYS = ("model_name", "model", "lora", "rules")
 
 
 def trained_config(path: Path, meta: dict[str, Any]) -> RunConfig:
     """The run config of the model in checkpoint `path` (meta `meta`, from `find_checkpoint`): its model and preset,
-    model settings, data source and sharding rules as trained; every other key at its preset's default."""
+    model settings, adapters (`lora`), data source and sharding rules as trained; every other key at its preset's
+    default."""
     stored = meta.get("config")
     if not isinstance(stored, dict) or "model_name" not in stored:
         raise CheckpointError(

@@ -28,8 +28,10 @@ from jax.experimental import multihost_utils
 from jaxtrain.data.tokenizer import file_digest
 from jaxtrain.data.tokens import read_manifest, token_sources
 from jaxtrain.errors import UserInputError
-from jaxtrain.run_config import ConfigWriteError, RunConfig, write_config
+from jaxtrain.placement.place import place_model
+from jaxtrain.run_config import ConfigWriteError, LoraConfig, RunConfig, write_config
 from jaxtrain.training import run_identity
+from jaxtrain.training.adapted_checkpoints import restore_merged, stored_lora
 from jaxtrain.training.checkpoint import (
     CheckpointMismatchError,
     Checkpoints,
@@ -262,15 +264,44 @@ def initial_state(run: Run, checkpoints: Checkpoints | None, log: Callable[[str]
     if resumed is not None:
         return resumed.state, resumed.progress
     new_run = run_identity.fingerprint(run_identity.config_json(cfg))
-    # A model with adapters starts from the base model's weights: an export's, or a training checkpoint's params;
-    # `restore_params_only` starts any model so (fine-tuning a training checkpoint on other data).
-    fresh = cfg.checkpoint.restore_params_only or shardings.model.freezes
-    if cfg.checkpoint.restore and (is_params_export(cfg.checkpoint.restore) or fresh):
-        return _fine_tune(run, checkpoints, log), Progress(run=new_run)
-    if cfg.checkpoint.restore:
+    if cfg.checkpoint.restore and _continues(cfg):
         state, progress = _restore_step(run, log)
         return state, dataclasses.replace(progress, run=new_run)
+    if cfg.checkpoint.restore:
+        return _fine_tune(run, checkpoints, log), Progress(run=new_run)
     return shardings.init_state(run.optimizer, cfg.train.seed), Progress(run=new_run)
+
+
+class AdapterRestoreError(UserInputError):
+    """A checkpoint trained with adapters restored into a run with other adapter settings, which would neither
+    continue it nor start from its model."""
+
+
+def _continues(cfg: RunConfig) -> bool:
+    """Whether the run continues the training checkpoint at `checkpoint.restore` (its optimizer state and step),
+    rather than starting at step 0 from its params (`_fine_tune`). A params export (an import from Hugging Face)
+    always starts so, as does `restore_params_only`, and new adapters on a checkpoint trained without them. A
+    checkpoint trained with adapters continues with the same `lora` settings; other ones are an error, since which of
+    its weights to keep frozen would be a guess."""
+    source = cfg.checkpoint.restore
+    if is_params_export(source) or cfg.checkpoint.restore_params_only:
+        return False
+    step_dir, meta = find_checkpoint(source)
+    trained = stored_lora(step_dir, meta)
+    if trained == cfg.lora:
+        return True
+    if not trained.rank:
+        return False  # new adapters on the checkpoint's params
+    differ = [f.name for f in dataclasses.fields(trained) if getattr(trained, f.name) != getattr(cfg.lora, f.name)]
+    raise AdapterRestoreError(
+        f"checkpoint.restore={source} trained adapters with {_lora_keys(trained, differ)}, this run asks for "
+        f"{_lora_keys(cfg.lora, differ)}: set the same to continue that run, or checkpoint.restore_params_only=true "
+        "to start from its model (adapters folded into the weights) with new adapters or, at lora.rank=0, none."
+    )
+
+
+def _lora_keys(lora: LoraConfig, names: list[str]) -> str:
+    return " ".join(f"{lora.key(name)}={getattr(lora, name)}" for name in names)
 
 
 class Resumed(NamedTuple):
@@ -355,13 +386,17 @@ def _restore_step(run: Run, log: Callable[[str], None]) -> tuple[Any, Progress]:
 
 
 def _fine_tune(run: Run, checkpoints: Checkpoints | None, log: Callable[[str], None]) -> Any:
-    """A fresh optimizer state at step 0 around the params of the export at `checkpoint.restore` (with adapters: the
-    base model's params, of an export or a training checkpoint, and new adapters); the files the export carries (an
-    import's tokenizer) are copied into the run directory, so its checkpoints keep them."""
-    shardings = run.shardings
-    base = shardings.model.base_params(shardings.abstract_model_state()["params"])
-    params, meta = restore_params(run.cfg.checkpoint.restore, base)
-    source = run.cfg.checkpoint.restore
+    """A fresh optimizer state at step 0 around the params of the export or checkpoint at `checkpoint.restore` (with
+    adapters: around those params, frozen, and new adapters); a checkpoint trained with adapters gives its model, each
+    adapter folded into its weight. The files the export carries (an import's tokenizer) are copied into the run
+    directory, so its checkpoints keep them."""
+    shardings, cfg, source = run.shardings, run.cfg, run.cfg.checkpoint.restore
+    step_dir, meta = find_checkpoint(source)
+    if stored_lora(step_dir, meta).rank:  # its model: the adapters it trained folded into their weights
+        placed = place_model(cfg.model_name, cfg.model, cfg.mesh, cfg.rules, mesh=shardings.mesh)
+        params = restore_merged(step_dir, meta, placed)
+    else:
+        params, meta = restore_params(step_dir, shardings.model.base_params(shardings.abstract_model_state()["params"]))
     adapters = " and new adapters" if shardings.model.freezes else ""
     log(f"starting from the params of step {meta['step']} at {source}, with a new optimizer{adapters}")
     if checkpoints is not None:

@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, Mesh
 
@@ -31,7 +30,7 @@ from jaxtrain.data.datasets import (
 )
 from jaxtrain.data.tokens import token_vocab
 from jaxtrain.formatting import fmt_bytes
-from jaxtrain.ops.sequence import target_weights, zigzag_order
+from jaxtrain.ops.sequence import counted_targets, zigzag_order
 from jaxtrain.parallel.grad_sync import GradientSync
 from jaxtrain.parallel.pipeline import Pipeline, make_pipeline, stacked_layer_count
 from jaxtrain.parallel.step import (
@@ -79,10 +78,17 @@ class Run:
     def flops_per_step(self) -> float:
         """Model FLOPs of one step: the model config's `train_flops(batch_size, seq_len)` where it defines one; else
         XLA's count for the compiled step (its per-device program's, times the devices), which counts the body of a
-        loop once, so it undercounts a model that scans its layers (and the MFU shown with it)."""
+        loop once, so it undercounts a model that scans its layers (and the MFU shown with it). With frozen weights
+        (adapters), the model's FLOPs without its weights' gradients, plus 6 per adapter param and token (forward,
+        the input's and the adapter's gradients; an expert's adapter is counted for every token, an upper bound)."""
         train_flops = getattr(self.cfg.model, "train_flops", None)
         if train_flops is not None:
-            return train_flops(self.cfg.data.batch_size, self.tokens_per_step // self.cfg.data.batch_size)
+            model = self.shardings.model
+            batch, seq_len = self.cfg.data.batch_size, self.tokens_per_step // self.cfg.data.batch_size
+            if not model.freezes:
+                return train_flops(batch, seq_len)
+            trained = sum(math.prod(x.shape) for x in jax.tree.leaves(model.trainable(model.abstract_params)))
+            return train_flops(batch, seq_len, weight_gradients=False) + 6.0 * trained * self.tokens_per_step
         cost = self.train_step.cost_analysis() or {}
         return float(cost.get("flops", 0.0)) * self.shardings.mesh.size
 
@@ -142,15 +148,7 @@ class Run:
         exact mean over several batches. The sum of a language batch's target weights (`next_tokens`: documents'
         own targets, chat data's assistant tokens); else every example counts once."""
 
-        def count(batch: dict[str, jax.Array]) -> jax.Array:
-            tokens = batch.get("tokens")
-            if tokens is None:
-                return jnp.float32(next(iter(batch.values())).shape[0])
-            weights = target_weights(batch.get("segment_ids"), batch.get("loss_weights"))
-            every = tokens.shape[0] * (tokens.shape[1] - 1)
-            return jnp.float32(every) if weights is None else jnp.sum(weights, dtype=jnp.float32)
-
-        return jax.jit(count, out_shardings=self.shardings.replicated)
+        return jax.jit(counted_targets, out_shardings=self.shardings.replicated)
 
 
 def setup(
@@ -265,12 +263,14 @@ def compose_step(
     # 1. The gradient of the model's loss on one piece of the batch, through the pipeline schedule if there is one.
     grad_fn = pipeline.value_and_grad(loss_fn, trainable) if pipeline else value_and_grad_of(loss_fn, trainable)
     # 2. Accumulation: the batch's `grad_accum` pieces one after another, averaged (nothing added for one piece).
-    grad_fn = accumulate_gradients(grad_fn, t.grad_accum)
+    # Pieces and replicas are weighted by their targets (`counted_targets`), so that with any number of each the loss
+    # is the mean over the batch's targets, as one device computes it.
+    grad_fn = accumulate_gradients(grad_fn, t.grad_accum, counted_targets)
     # 3. Gradient sync. `xla`: nothing added; the shardings make XLA reduce each gradient where it is formed.
     if cfg.allreduce.algorithm == "fused":  # one all-reduce of loss, metrics and the whole gradient, after accumulation
-        grad_fn = replica_gradients(grad_fn, mesh, shardings.rules.batch_axes())
+        grad_fn = replica_gradients(grad_fn, mesh, shardings.rules.batch_axes(), count=counted_targets)
     elif sync is not None:  # an explicit algorithm (ring, hierarchical, star) averages the gradient
-        grad_fn = replica_gradients(grad_fn, mesh, sync.axes, sync.mean)
+        grad_fn = replica_gradients(grad_fn, mesh, sync.axes, sync.mean, counted_targets)
     # 4. The update policy chooses the step; 5. every step updates through the update core, `step.apply_update`.
     common = {"grad_fn": grad_fn, "optimizer": optimizer, "schedule": schedule}
     if policy.is_local:  # local_sgd, diloco: each replica steps alone; every `average_every` steps, an outer step
@@ -367,6 +367,7 @@ def _pipeline(cfg: RunConfig, mesh: Mesh, model: ModelParts, shapes: dict) -> Pi
         virtual=p.virtual_stages,
         balance=p.balance,
         stash=p.stash,
+        count=counted_targets,
     )
 
 

@@ -3,8 +3,9 @@ its adapters restored onto a mesh, and its params merged into the base model's.
 
 A LoRA run's checkpoint holds {"base", "lora_a", "lora_b"} (and "dropout_seed" with dropout) where the base model
 holds a weight, so it cannot be read as the base model. What reads a checkpoint as a model (`jaxtrain export-hf`,
-`jaxtrain generate`) rebuilds the adapted model from the stored `lora` settings, restores into it, and folds each
-adapter into its weight (`AdaptedModel.merge`) on the mesh: the base model's params, which every reader takes.
+`jaxtrain generate`, a run starting from its params: `jaxtrain.training.recovery`) rebuilds the adapted model from the
+stored `lora` settings, restores into it, and folds each adapter into its weight (`AdaptedModel.merge`) on the mesh:
+the base model's params, which every reader takes.
 
     >>> params = restore_merged(step_dir, meta, placed)  # the base model's params, adapters folded in  # doctest: +SKIP
     >>> adapters = restore_adapters(step_dir, adapted)   # {path: {"lora_a", "lora_b"}}                 # doctest: +SKIP

@@ -1,0 +1,151 @@
+"""A synthetic instruction task with checkable answers, for supervised fine-tuning that can be scored exactly:
+string transforms of random 4-letter words, as chat conversations (JSON lines of `messages`), plus plain-text
+renderings of the same transforms to pre-train a base model on, and a character-level tokenizer with a compact chat
+template to tokenize both. Deterministic from a seed (benchmarks/sft_learning.py and tests/test_sft_learning.py use
+it).
+
+    python scripts/instruction_task.py --out task --seed 0                 # task/chats.jsonl, pretrain.txt, tokenizer/
+    jaxtrain tokenize --tokenizer task/tokenizer --documents paragraphs --val-fraction 0.01 --out pre task/pretrain.txt
+    jaxtrain tokenize --chat --tokenizer task/tokenizer --max-tokens 33 --val-fraction 0.06 --out sft task/chats.jsonl
+
+The transforms (`TRANSFORMS`), each a map of every letter the instruction names: `Upper: abcd` -> `ABCD`,
+`Shift: abcd` -> `bcde` (each letter to the next, z to a), `Rot13: abcd` -> `nopq`. Every word is drawn once across
+all of it: no two conversations, and no conversation and pre-training example, share a word. The held-out split is
+the one `jaxtrain tokenize --val-fraction` draws (about that part of the conversations, each in or out by a fixed
+seed): whichever it holds out, a held-out prompt (and its answer) was never seen in pre-training or fine-tuning.
+`instruction_task(...)` returns the texts to a test without a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import string
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+LETTERS = string.ascii_lowercase
+TRANSFORMS: dict[str, Callable[[str], str]] = {
+    "Upper": str.upper,
+    "Shift": lambda word: "".join(LETTERS[(LETTERS.index(c) + 1) % 26] for c in word),
+    "Rot13": lambda word: "".join(LETTERS[(LETTERS.index(c) + 13) % 26] for c in word),
+}
+# The plain-text rendering of an example for pre-training (other words than the chat's, no template): the chat
+# template's layout token for token, with one-character markers where it puts its role tokens ('#' for <|user|>,
+# '>' for <|assistant|>), so the base model has the skill and ends a turn with <|end|>; the roles are new to it.
+PLAIN = "#{}: {}<|end|>\n>{}<|end|>"
+# Special tokens, one id each: the end of a text document, and the chat template's role markers and end of turn.
+SPECIAL = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# A compact template, ChatML's shape with one token per role marker:
+# `<|user|>Upper: abcd<|end|>\n<|assistant|>ABCD<|end|>\n`.
+TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """The task's texts: pre-training paragraphs and chat conversations (each a `messages` dict), no word in two of
+    them."""
+
+    pretrain: list[str]
+    conversations: list[dict]
+
+
+def words(rng: np.random.Generator, count: int, min_len: int, max_len: int) -> list[str]:
+    """`count` distinct random lowercase words of `min_len` to `max_len` letters, in the order drawn."""
+    seen: dict[str, None] = {}
+    while len(seen) < count:
+        length = int(rng.integers(min_len, max_len + 1))
+        seen.setdefault("".join(rng.choice(list(LETTERS), length)), None)
+    return list(seen)
+
+
+def conversation(name: str, word: str) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": f"{name}: {word}"},
+            {"role": "assistant", "content": TRANSFORMS[name](word)},
+        ]
+    }
+
+
+def instruction_task(
+    seed: int = 0,
+    pretrain_examples: int = 20_000,
+    conversations: int = 2_000,
+    min_len: int = 4,
+    max_len: int = 4,
+    per_paragraph: int = 8,
+) -> Task:
+    """The task for `seed`: each example a distinct word and a transform drawn uniformly; the pre-training text as
+    paragraphs of `per_paragraph` plain-text examples (`PLAIN`)."""
+    rng = np.random.default_rng(seed)
+    pool = words(rng, pretrain_examples + conversations, min_len, max_len)
+    names = list(TRANSFORMS)
+    picks = [names[i] for i in rng.integers(0, len(names), len(pool))]
+    examples = list(zip(picks, pool))
+    pre, chat = examples[:pretrain_examples], examples[pretrain_examples:]
+    plain = [PLAIN.format(name, word, TRANSFORMS[name](word)) for name, word in pre]
+    paragraphs = ["\n".join(plain[i : i + per_paragraph]) for i in range(0, len(plain), per_paragraph)]
+    return Task(paragraphs, [conversation(name, word) for name, word in chat])
+
+
+def tokenizer_directory(directory: str | Path) -> Path:
+    """A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with the chat template): one token
+    per byte (no merges, so a word's letters are its tokens) and the `SPECIAL` tokens, the chat template's end of
+    turn `<|end|>` as `eos_token`. Written the same every time (its SHA-256 is the tokenizer's identity)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(SPECIAL + sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.add_special_tokens(SPECIAL)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "chat_template": TEMPLATE,
+        "eos_token": "<|end|>",
+        "bos_token": None,
+        "pad_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def write_task(out: str | Path, task: Task) -> dict[str, Path]:
+    """`out`/pretrain.txt (blank-line paragraphs), chats.jsonl (one conversation a line: tokenize it with
+    --val-fraction) and tokenizer/."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"pretrain": out / "pretrain.txt", "chats": out / "chats.jsonl"}
+    paths["pretrain"].write_text("\n\n".join(task.pretrain) + "\n")
+    paths["chats"].write_text("".join(json.dumps(c) + "\n" for c in task.conversations))
+    paths["tokenizer"] = tokenizer_directory(out / "tokenizer")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="the directory to write")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pretrain-examples", type=int, default=20_000)
+    parser.add_argument("--conversations", type=int, default=2_000)
+    args = parser.parse_args(argv)
+    task = instruction_task(args.seed, args.pretrain_examples, args.conversations)
+    for name, path in write_task(args.out, task).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

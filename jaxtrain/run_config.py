@@ -287,7 +287,7 @@ class LoraConfig(Settings):
         "none",
         "how the frozen base weights are stored (QLoRA): none (as the model has them), int8, int4 or nf4 (codes and "
         "a scale per output channel, dequantized in the matmul)",
-        choices=("none", "int8", "int4", "nf4"),  # jaxtrain.posttrain.quantized.QUANTIZE
+        choices=("none", "int8", "int4", "nf4"),  # none, and the kinds of jaxtrain.posttrain.quantized.QTYPES
     )
 
     def __post_init__(self) -> None:

@@ -52,6 +52,7 @@ from jaxtrain.parallel.step import (
     LossFn,
     merge_microbatches,
     microbatch_shares,
+    scaled,
     split_microbatches,
     trained_leaves,
 )
@@ -732,16 +733,12 @@ def _loss_and_grads(stage: _Stage, out: jax.Array, m: jax.Array) -> tuple[jax.Ar
     if not stage.with_grads:
         loss, metrics = stage.pieces.post(outer, stacked, out, micro)
         zeros = stage.pin_outer([jnp.zeros_like(o) for o in stage.trained_outer()])
-        return share * loss, _weighed(metrics, share), stage.placeholder(), zeros
+        return share * loss, scaled(metrics, share), stage.placeholder(), zeros
     loss, post_vjp, metrics = jax.vjp(
         lambda o, h: stage.pieces.post(_put(outer, mask, o), stacked, h, micro), _take(outer, mask), out, has_aux=True
     )
     d_outer, d_out = post_vjp(share * jnp.ones_like(loss))
-    return share * loss, _weighed(metrics, share), _pin_activation(d_out), stage.pin_outer(d_outer)
-
-
-def _weighed(metrics: PyTree, share: jax.Array) -> PyTree:
-    return jax.tree.map(lambda x: (share * x).astype(x.dtype), metrics)
+    return share * loss, scaled(metrics, share), _pin_activation(d_out), stage.pin_outer(d_outer)
 
 
 def _no_loss(stage: _Stage, compute: Callable) -> tuple[jax.Array, PyTree, jax.Array, list]:

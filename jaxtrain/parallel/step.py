@@ -84,7 +84,7 @@ def accumulate_gradients(grad_fn: GradFn, pieces: int, count: CountFn | None = N
     def accumulated(params: PyTree, batch: dict[str, jax.Array]):
         def add_one(total, piece):
             micro, share = piece
-            return jax.tree.map(jnp.add, total, _scaled(grad_fn(params, micro), share)), None
+            return jax.tree.map(jnp.add, total, scaled(grad_fn(params, micro), share)), None
 
         micro = jax.tree.map(lambda x: split_microbatches(x, pieces), batch)
         shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
@@ -131,11 +131,11 @@ def replica_gradients(
         if mean_gradients is None and local is None:
             return jax.lax.pmean(result, batch_axes)
         if mean_gradients is None:  # still one all-reduce: the weighted sums and the weights together
-            summed, total = jax.lax.psum((_scaled(result, local), local), batch_axes)
-            return _scaled(summed, 1.0 / jnp.maximum(total, 1.0))
+            summed, total = jax.lax.psum((scaled(result, local), local), batch_axes)
+            return scaled(summed, 1.0 / jnp.maximum(total, 1.0))
         if local is not None:  # a share around 1 a replica: the algorithm averages
             total = jnp.maximum(jax.lax.psum(local, batch_axes), 1.0)
-            result = _scaled(result, local * jax.lax.psum(1, batch_axes) / total)
+            result = scaled(result, local * jax.lax.psum(1, batch_axes) / total)
         (loss, metrics), grads = result
         return jax.lax.pmean((loss, metrics), batch_axes), mean_gradients(grads)
 
@@ -148,7 +148,8 @@ def replica_gradients(
     )
 
 
-def _scaled(tree: PyTree, factor: jax.Array) -> PyTree:
+def scaled(tree: PyTree, factor: jax.Array) -> PyTree:
+    """Every array of `tree` times `factor`, each in its own dtype."""
     return jax.tree.map(lambda x: (factor * x).astype(x.dtype), tree)
 
 

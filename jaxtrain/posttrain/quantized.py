@@ -33,8 +33,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 
-QUANTIZE = ("none", "int8", "int4", "nf4")  # lora.quantize's values
-QTYPES: dict[str, Any] = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}  # qwix's qtype for each
+QTYPES: dict[str, Any] = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}  # lora.quantize's kinds: qwix's qtype
 
 
 def kept_dims(spec: str, lead: int) -> tuple[int, ...]:

@@ -128,17 +128,24 @@ class OptimizerConfig(Settings):
 class DataConfig(Settings):
     """`source`: builtin (text shipped with Python) | synthetic (random data of the model's shapes) | digits (CSV) |
     clicks (synthetic click logs, for recommenders) | tokens (shards of `jaxtrain tokenize`: `path`, or a
-    `mixture`; `tokens:DIR` for short) | a text file path."""
+    `mixture`; `tokens:DIR` for short) | pairs (preference pairs: the JSON lines at `path`, tokenized with
+    `tokenizer`; `pairs:FILE` for short) | a text file path."""
 
     section: ClassVar[str] = "data"
 
-    source: str = setting("builtin", "builtin, synthetic, digits, clicks, tokens[:DIR], or a text or digits-CSV path")
-    path: str = setting("", "data.source=tokens: the directory jaxtrain tokenize wrote")
+    source: str = setting(
+        "builtin", "builtin, synthetic, digits, clicks, tokens[:DIR], pairs[:FILE], or a text or digits-CSV path"
+    )
+    path: str = setting("", "data.source=tokens: the directory jaxtrain tokenize wrote; pairs: the JSON-lines file")
     # Tokenized data (jaxtrain.data.packing): concat joins documents by their end-of-text token; segments packs
     # whole documents into rows with segment ids, so attention and the loss stay inside each document.
     packing: str = setting("concat", "data.source=tokens: how documents fill rows", choices=PACKINGS)
     mixture: str = setting("", "data.source=tokens: DIR_A:0.7,DIR_B:0.3, deterministic by weight; empty: data.path")
     prefetch: int = setting(2, "data.source=tokens: training steps read ahead on a background thread", at_least=0)
+    tokenizer: str = setting("", "data.source=pairs: the tokenizer (tokenizer.json, or a model directory holding it)")
+    chat_template: str = setting(
+        "", "data.source=pairs: conversations' chat template (a built-in name or a file); empty: the tokenizer's"
+    )
     batch_size: int = setting(32, "global, across all devices and processes", at_least=1)
     seq_len: int = setting(128, "tokens per example", at_least=1)
     val_fraction: float = setting(0.1, "the part of a text source held out for validation", above=0, below=1)
@@ -304,6 +311,37 @@ class LoraConfig(Settings):
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig(Settings):
+    """Preference optimisation on pairs of replies (`jaxtrain.posttrain.preference`, data: `jaxtrain.data.pairs`):
+    `loss` dpo (against a reference: the starting model, or with adapters the base) or simpo (reference-free); none
+    (the default) trains the model's own loss."""
+
+    section: ClassVar[str] = "preference"
+
+    loss: str = setting("none", "none (the model's own loss), dpo or simpo", choices=("none", "dpo", "simpo"))
+    beta: float = setting(0.1, "how far the policy may move from the reference (the rewards' scale)", above=0)
+    gamma: float = setting(0.5, "simpo: the target reward margin", at_least=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        changed = [
+            f"{self.key(f.name)}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name != "loss" and getattr(self, f.name) != f.default
+        ]
+        if self.loss == "none" and changed:
+            raise ConfigError(
+                f"{', '.join(changed)} set with preference.loss=none, which trains the model's own loss: set "
+                "preference.loss=dpo or simpo, or drop those keys."
+            )
+        if self.loss == "dpo" and self.gamma != 0.5:
+            raise ConfigError(
+                f"preference.gamma={self.gamma} is simpo's margin, and preference.loss=dpo has none: set "
+                "preference.loss=simpo, or drop preference.gamma."
+            )
+
+
 ENGINES = ("spmd", "ray")
 ENGINE_MODES = ("async", "sync")
 STALENESS_LR = ("none", "inverse")
@@ -384,6 +422,7 @@ class RunConfig:
     tracking: TrackingConfig = TrackingConfig()
     engine: EngineConfig = EngineConfig()
     lora: LoraConfig = LoraConfig()
+    preference: PreferenceConfig = PreferenceConfig()
 
 
 SECTIONS = (
@@ -398,6 +437,7 @@ SECTIONS = (
     "tracking",
     "engine",
     "lora",
+    "preference",
 )
 
 

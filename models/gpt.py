@@ -40,11 +40,11 @@ from flax import nnx
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.ops.attention import CONTEXT_PARALLEL, IMPLEMENTATIONS, attention, masked_attention
-from jaxtrain.ops.cross_entropy import output_cross_entropy
+from jaxtrain.ops.cross_entropy import output_cross_entropy, target_log_probs
 from jaxtrain.ops.embedding import lookup
 from jaxtrain.ops.plain import KERNELS, KERNELS_HELP
 from jaxtrain.ops.projection import REMAT_POLICIES, project
-from jaxtrain.ops.sequence import next_tokens, segment_positions
+from jaxtrain.ops.sequence import natural_order, next_tokens, segment_positions
 from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
 from jaxtrain.sharding.constraints import constrain, scan_layers
 
@@ -394,18 +394,29 @@ class GPT(nnx.Module):
         hidden = self.hidden(batch.inputs, batch.segment_ids, batch.positions)
         return self.next_token_loss(hidden, batch.targets, batch.weights), {}
 
+    def target_log_probs(self, batch: dict[str, jax.Array]) -> jax.Array:
+        """The log-probability the model gives each next token of batch["tokens"] (B, T + 1): (B, T) float32, in the
+        natural order whatever the devices' sequence layout; `segment_ids` as for `loss`. What preference and
+        reinforcement-learning losses weigh (`jaxtrain.posttrain`); computed a chunk of positions at a time."""
+        laid_out = next_tokens(batch)
+        hidden = self.hidden(laid_out.inputs, laid_out.segment_ids, laid_out.positions)
+        x, head, layout, chunk_len = self.head_inputs(hidden)
+        return natural_order(target_log_probs(x, head, laid_out.targets, head_layout=layout, chunk_len=chunk_len))
+
     def next_token_loss(self, hidden: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
         """Mean cross-entropy, weighted, of the head's logits of `hidden` (B, T, D), the last block's output,
         against `targets` (B, T), the next tokens. Computed a chunk of positions at a time, so the (B, T, V)
         logits are never held at once (`jaxtrain.ops.cross_entropy`); equal to the loss of `unembed`'s logits."""
-        x = rms_norm(hidden, self.final_norm[...], self.cfg.norm_eps)
-        weights_matrix, layout = self.head_matrix()
-        chunked = self.cfg.chunked_loss and self.cfg.kernels == "fused"
-        whole = None if chunked else x.shape[1]  # one chunk: the plain program
-        total, count = output_cross_entropy(
-            x, weights_matrix, targets, weights=weights, head_layout=layout, chunk_len=whole
-        )
+        x, head, layout, chunk_len = self.head_inputs(hidden)
+        total, count = output_cross_entropy(x, head, targets, weights=weights, head_layout=layout, chunk_len=chunk_len)
         return total / jnp.maximum(count, 1.0)
+
+    def head_inputs(self, hidden: jax.Array) -> tuple[jax.Array, jax.Array, str, int | None]:
+        """What the output head's chunked kernels take: the final-normed `hidden`, the head and its layout, and the
+        positions per chunk (None: the kernel's default; the whole sequence, one chunk, is the plain program)."""
+        x = rms_norm(hidden, self.final_norm[...], self.cfg.norm_eps)
+        chunked = self.cfg.chunked_loss and self.cfg.kernels == "fused"
+        return (x, *self.head_matrix(), None if chunked else x.shape[1])
 
     def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:
         """An empty KV cache for `max_len` positions of `batch_size` rows: {"k", "v"}: (L, B, S, G, K)."""

@@ -174,6 +174,8 @@ class MoE(GPT):
     block_type = MoEBlock
     # No KV-cache decoding yet: GPT's runs Block.decode, whose MLP is not the experts'. Generation says so by name.
     init_cache = cache_names = extend = None
+    # No per-token log-probs yet (preference and RL losses): they would drop the router's auxiliary loss.
+    target_log_probs = None
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """tokens (B, T) -> logits (B, T, V) float32, and each layer's routing statistics (stacked, L first)."""

@@ -202,7 +202,7 @@ def test_eos_stops_a_row_and_keeps_the_others(single, greedy):
         (
             [[1, 2]],
             {"max_new_tokens": 10**9},
-            r"max_new_tokens=1000000000 is more than \d+: the KV cache and the output take 516 B a token on each "
+            r"max_new_tokens=1000000000 is more than \d+: the KV cache and the output take 520 B a token on each "
             r"device, which has [\d.]+ [GT]iB \(the host's",
         ),
     ],

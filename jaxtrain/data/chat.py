@@ -91,7 +91,7 @@ def conversation(line: bytes) -> list[dict]:
     except ValueError:  # not JSON, or not UTF-8
         record = None
     if isinstance(record, dict) and "messages" in record:
-        return _checked(record["messages"])
+        return checked_conversation(record["messages"])
     if isinstance(record, dict) and "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
         if not isinstance(prompt, str) or not isinstance(completion, str):
@@ -104,7 +104,7 @@ def conversation(line: bytes) -> list[dict]:
     raise ChatError(f"expected {RECORD_FORMAT}; got {found}.")
 
 
-def _checked(messages: object) -> list[dict]:
+def checked_conversation(messages: object) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ChatError(f"'messages' must be a non-empty list of messages, got {json.dumps(messages)[:60]}.")
     for k, message in enumerate(messages):

@@ -102,10 +102,8 @@ def find_chat_template(tokenizer: str | Path, named: str | None = None) -> ChatT
     """The chat template for the tokenizer at `tokenizer` (a tokenizer.json or a model directory): the one `named`
     (a built-in name, a .jinja file or a tokenizer_config.json), else the tokenizer directory's own (see the module
     docstring), with that directory's special tokens."""
-    tokenizer = Path(tokenizer)
-    directory = tokenizer if tokenizer.is_dir() else tokenizer.parent
-    config = _read_config(directory / TOKENIZER_CONFIG) if (directory / TOKENIZER_CONFIG).is_file() else {}
-    special = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
+    directory, config = _tokenizer_config(tokenizer)
+    special = special_tokens(tokenizer)
     if named:
         return ChatTemplate(named, _named_template(named), special)
     if (directory / TEMPLATE_FILE).is_file():
@@ -117,6 +115,19 @@ def find_chat_template(tokenizer: str | Path, named: str | None = None) -> ChatT
         f"{TOKENIZER_CONFIG} with a chat_template. Name one: --chat-template "
         f"{' | '.join(BUILTIN_TEMPLATES)} | FILE.jinja | tokenizer_config.json."
     )
+
+
+def special_tokens(tokenizer: str | Path) -> dict[str, str]:
+    """The special tokens' texts (bos_token, eos_token, ...) the tokenizer's directory names in its
+    tokenizer_config.json; empty without one."""
+    config = _tokenizer_config(tokenizer)[1]
+    return {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
+
+
+def _tokenizer_config(tokenizer: str | Path) -> tuple[Path, dict]:
+    tokenizer = Path(tokenizer)
+    directory = tokenizer if tokenizer.is_dir() else tokenizer.parent
+    return directory, _read_config(directory / TOKENIZER_CONFIG) if (directory / TOKENIZER_CONFIG).is_file() else {}
 
 
 def _named_template(named: str) -> str:

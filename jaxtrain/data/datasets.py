@@ -509,12 +509,14 @@ def check_dataset(dataset: object, task: str, seq_len: int, batch_size: int, voc
         )
     shapes = dataset.shapes(batch_size)
     if task == "lm":
-        width = getattr(shapes.get("tokens"), "shape", None)
-        if width != (batch_size, seq_len + 1):
+        pairs = "pair_tokens" in shapes  # preference pairs (jaxtrain.data.pairs): two rows of tokens an example
+        width = getattr(shapes.get("pair_tokens" if pairs else "tokens"), "shape", None)
+        expected = (batch_size, 2, seq_len + 1) if pairs else (batch_size, seq_len + 1)
+        if width != expected:
             raise DataError(
                 f"dataset {type(dataset).__name__} gives tokens of shape {width}, but this run's batch is "
-                f"(batch_size, seq_len + 1) = {(batch_size, seq_len + 1)}: build the dataset with seq_len={seq_len}, "
-                "or set the run's seq_len to the dataset's."
+                f"{expected} (batch_size, {'2, ' if pairs else ''}seq_len + 1): build the dataset with "
+                f"seq_len={seq_len}, or set the run's seq_len to the dataset's."
             )
         largest = getattr(dataset, "largest_id", None)
         if largest is not None and largest >= vocab_size:

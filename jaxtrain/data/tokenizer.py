@@ -46,6 +46,9 @@ class Tokenizer:
     eot_id: int | None  # the end-of-text token that closes each document, if the tokenizer has one
     encode_batch: Callable[[Sequence[str]], list[list[int]]]
     decode: Callable[[Sequence[int]], str]
+    # Texts to ids with the tokens the tokenizer itself adds around a text (its post-processor's: a beginning-of-text
+    # token), as transformers' `tokenizer(text)` gives them; None: it adds none.
+    encode_batch_with_special: Callable[[Sequence[str]], list[list[int]]] | None = None
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -93,6 +96,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         eot,
         lambda texts: [e.ids for e in hf.encode_batch(list(texts), add_special_tokens=False)],
         lambda ids: hf.decode(list(ids), skip_special_tokens=False),
+        lambda texts: [e.ids for e in hf.encode_batch(list(texts), add_special_tokens=True)],
     )
 
 

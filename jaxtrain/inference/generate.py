@@ -5,8 +5,9 @@ compiled program per batch shape: the whole right-padded prompt batch is prefill
 `lax.while_loop` adds one token per step until every row has met `eos_id` or `max_new_tokens` are written. The KV
 cache is sharded by the activation rules through the model's `cache_names()` (batch over the data axes, kv heads
 over `tensor`). Prompts may differ in length: row i's first new token goes at position len_i, over the padding, so
-no later token attends to a pad. Batch rows are padded to a multiple of the data axes and prompt lengths rounded up
-to a power of two, so calls of similar sizes reuse one compiled program.
+no later token attends to a pad. Each new token comes with the model's log-probability of it
+(`Generation.log_probs`), which reinforcement learning sets against the trainer's. Batch rows are padded to a multiple
+of the data axes and prompt lengths rounded up to a power of two, so calls of similar sizes reuse one compiled program.
 
 The model must follow the decoder protocol (`models/gpt.py`): `init_cache(batch, max_len)`, `cache_names()` and
 `extend(tokens, positions, cache) -> (logits, cache)`.
@@ -37,7 +38,7 @@ from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer
 from jaxtrain.data.tokens import token_sources, tokenizer_of
 from jaxtrain.errors import UserInputError
 from jaxtrain.formatting import fmt_bytes
-from jaxtrain.inference.sampling import Sampling, sample
+from jaxtrain.inference.sampling import Sampling, sample, token_log_probs
 from jaxtrain.placement.place import PlacedModel, place_model
 from jaxtrain.placement.shardings import Shardings
 from jaxtrain.run_config import RunConfig
@@ -62,11 +63,20 @@ class GenerationError(UserInputError):
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """The continuation of each prompt (ending with `eos_id` where a row met it) and, if asked for, the logits each
-    new token was chosen from: one float32 array (len(tokens[i]), vocab) per prompt."""
+    """The continuation of each prompt (ending with `eos_id` where a row met it); if asked for, the logits each new
+    token was chosen from: one float32 array (len(tokens[i]), vocab) per prompt; and each new token's log-probability
+    (`log_probs`, one float32 array (len(tokens[i]),) per prompt, always given by `Generator.generate`).
+
+    `log_probs` is the model's: log_softmax of the raw logits at the token, at temperature 1 and before top-k and
+    top-p, whatever settings drew it (`jaxtrain.inference.sampling.token_log_probs`). That is the policy's
+    log-probability, which reinforcement learning's importance ratio sets against the trainer's
+    (`GPT.target_log_probs` on prompt + continuation). Sampled at temperature 1 without top-k or top-p, it is also
+    the log-probability of the draw; otherwise the draw came from the tempered, truncated distribution, whose
+    log-probability differs, and this is still the model's, the one the trainer recomputes."""
 
     tokens: list[list[int]]
     logits: list[np.ndarray] | None = None
+    log_probs: list[np.ndarray] | None = None
 
 
 class ByteTokenizer:
@@ -201,7 +211,7 @@ class Generator:
         put = [jax.device_put(x, self.shardings.batch_sharding(x.shape)) for x in inputs]
         scalars = [np.uint32(seed), np.int32(NO_EOS if eos_id is None else eos_id)]
         cache_len = tokens.shape[1] + max_new_tokens - 1  # the last token is never written to the cache
-        out, logits = to_host(
+        out, log_probs, logits = to_host(
             self._program(
                 self.params,
                 *put,
@@ -212,9 +222,10 @@ class Generator:
             )
         )
         continuations = [[int(t) for t in row if t != STOPPED] for row in out[: len(prompts)]]
+        log_probs = [log_probs[i, : len(c)] for i, c in enumerate(continuations)]
         if not return_logits:
-            return Generation(continuations)
-        return Generation(continuations, [logits[i, : len(c)] for i, c in enumerate(continuations)])
+            return Generation(continuations, log_probs=log_probs)
+        return Generation(continuations, [logits[i, : len(c)] for i, c in enumerate(continuations)], log_probs)
 
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None) -> None:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -254,7 +265,8 @@ class Generator:
         (`shape[1] + new - 1` positions) and the output must fit in, and an imported model's context."""
         rows, width = shape
         cache = self._cache_bytes_per_position(rows, width)
-        output = rows * 4 * (1 + self.vocab_size * return_logits)  # int32 tokens (and float32 logits), replicated
+        # int32 tokens, float32 log-probs (and float32 logits), replicated
+        output = rows * 4 * (2 + self.vocab_size * return_logits)
         memory, where = device_memory(self.shardings.mesh)
         per_token = cache + output
         limits = [
@@ -320,8 +332,9 @@ class Generator:
         max_new_tokens: int,
         cache_len: int,
         return_logits: bool,
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """(B, max_new_tokens) new tokens (STOPPED after a row's end) and, if asked, the logits they came from."""
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """(B, max_new_tokens) new tokens (STOPPED after a row's end), their log-probabilities (0 after a row's end)
+        and, if asked, the logits they came from."""
         with activation_sharding(self.shardings.mesh, self.shardings.rules):
             model = nnx.merge(self.shardings.model.graphdef, params)
             batch, width = tokens.shape
@@ -337,28 +350,30 @@ class Generator:
             last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
             first = choose(last, 0)
             out = jnp.full((batch, max_new_tokens), STOPPED, jnp.int32).at[:, 0].set(jnp.where(live, first, STOPPED))
+            log_probs = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(token_log_probs(last, first))
             seen = None
             if return_logits:
                 seen = jnp.zeros((batch, max_new_tokens, last.shape[-1]), jnp.float32).at[:, 0].set(last)
             done = ~live | (first == eos_id)
-            carry = (jnp.int32(1), first, lengths, self._constrain(cache), out, done, seen)
+            carry = (jnp.int32(1), first, lengths, self._constrain(cache), out, log_probs, done, seen)
 
             def running(carry):
                 step, *_, done, _ = carry
                 return (step < max_new_tokens) & ~jnp.all(done)
 
             def one_token(carry):
-                step, token, position, cache, out, done, seen = carry
+                step, token, position, cache, out, log_probs, done, seen = carry
                 logits, cache = model.extend(token[:, None], position[:, None], cache)  # (B, 1, V)
                 token = choose(logits[:, 0], step)
                 out = out.at[:, step].set(jnp.where(done, STOPPED, token))
+                log_probs = log_probs.at[:, step].set(jnp.where(done, 0.0, token_log_probs(logits[:, 0], token)))
                 if return_logits:
                     seen = seen.at[:, step].set(logits[:, 0])
                 done = done | (token == eos_id)
-                return step + 1, token, position + 1, self._constrain(cache), out, done, seen
+                return step + 1, token, position + 1, self._constrain(cache), out, log_probs, done, seen
 
-            _, _, _, _, out, _, seen = jax.lax.while_loop(running, one_token, carry)
-            return out, seen
+            _, _, _, _, out, log_probs, _, seen = jax.lax.while_loop(running, one_token, carry)
+            return out, log_probs, seen
 
     def cache_shardings(self, batch: int, max_len: int) -> dict[str, NamedSharding]:
         """How the KV cache of `batch` rows and `max_len` slots is laid out: the activation rules applied to the

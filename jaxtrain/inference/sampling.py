@@ -4,7 +4,8 @@ Every function is pure and works on one batch of rows at once; each row has its 
 (arrays of shape (B,)), so a batch of prompts can sample differently without recompiling. The order is the usual one
 (Hugging Face's, vLLM's): scale by the temperature, keep the `top_k` most likely tokens, then keep the fewest of
 those whose probability reaches `top_p`, renormalise and draw. Temperature 0 is greedy: the argmax, whatever
-`top_k` and `top_p` say.
+`top_k` and `top_p` say. `token_log_probs` gives the model's own log-probability of each chosen token, for
+reinforcement learning's importance ratios.
 
     >>> import jax, jax.numpy as jnp
     >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]]))
@@ -69,3 +70,17 @@ def filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
     # top_p = 1 keeps every token, even where rounding brings the running sum to 1 before the last.
     keep &= ((jnp.cumsum(probs) - probs) < top_p) | (top_p >= 1)
     return jnp.full_like(logits, -jnp.inf).at[order].set(jnp.where(keep, ranked, -jnp.inf))
+
+
+def token_log_probs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log softmax(logits)[token] of each row: logits (B, V) float32, tokens (B,) -> (B,) float32.
+
+    The model's log-probability at temperature 1, before top-k and top-p: what reinforcement learning's importance
+    ratio compares with the trainer's recomputed log-probability, whatever settings the token was drawn with (those
+    change which tokens are drawn, not the policy the trainer scores). Computed by the trainer's formula
+    (`jaxtrain.ops.cross_entropy.target_log_probs`: logsumexp, less the picked logit), so the two differ by no more
+    than the rounding of their logits and of XLA's reductions; `jax.nn.log_softmax` subtracts the max first and rounds
+    otherwise.
+    """
+    picked = jnp.take_along_axis(logits, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)

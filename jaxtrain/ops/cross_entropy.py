@@ -78,6 +78,40 @@ def output_cross_entropy(
     return _loss_sum(hidden_chunks, head, target_chunks, weight_chunks, head_layout), jnp.sum(weights)
 
 
+def target_log_probs(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    *,
+    head_layout: HeadLayout = "dv",
+    chunk_len: int | None = None,
+) -> jax.Array:
+    """log softmax(hidden[b, t] @ head)[targets[b, t]] for every token, (B, T) float32: what a preference or
+    reinforcement-learning loss weighs per token, where `output_cross_entropy` gives only the weighted sum.
+
+    Arguments as `output_cross_entropy`'s. Computed a chunk of positions at a time as it is, each chunk recomputed in
+    the backward (`jax.checkpoint`), so neither pass holds the (B, T, V) logits; one chunk is the plain program.
+    Equal to `-output_cross_entropy`'s per-token losses, and to the log-softmax of `unembed`'s logits, up to rounding.
+    """
+    vocab_size = _check_inputs(hidden, head, targets, None, head_layout, chunk_len)
+    targets = targets.astype(jnp.int32)
+    if chunk_len is None:
+        chunk_len = default_chunk_len(_per_device(hidden.shape[0], "batch"), _per_device(vocab_size, "vocab"))
+    seq_len = hidden.shape[1]
+    if min(chunk_len, seq_len) == seq_len:
+        # The chunks' formula (logsumexp less the picked logit), not optax's log-softmax, which rounds otherwise: both
+        # paths and a sampler's log-probs (`jaxtrain.inference.sampling.token_log_probs`) compute the same thing.
+        return -_chunk_losses(hidden, head.astype(hidden.dtype), targets, head_layout)[0]
+    head_c = _compute_head(head, hidden.dtype, head_layout)
+
+    @jax.checkpoint
+    def chunk(xs):  # h (B, C, D), t (B, C)
+        return -_chunk_losses(xs[0], head_c, xs[1], head_layout)[0]
+
+    chunks = jax.lax.map(chunk, (_as_chunks(hidden, chunk_len), _as_chunks(targets, chunk_len)))  # (N, B, C)
+    return jnp.swapaxes(chunks, 0, 1).reshape(hidden.shape[0], -1)[:, :seq_len]
+
+
 def _whole_sequence_losses(hidden, head, targets, head_layout) -> jax.Array:
     """Per-token cross-entropy (B, T) of one matmul's logits, with autodiff's gradient: the program for sequences
     that fit one chunk, and what the planner reads. The head is used as any weight (a layout constraint on it would

@@ -72,6 +72,15 @@ def _laid_out(x: jax.Array, order: np.ndarray) -> jax.Array:
     return constrain(jnp.take(x, order, axis=1), ("batch", "seq"))
 
 
+def natural_order(x: jax.Array) -> jax.Array:
+    """x (B, T), per position in the devices' sequence layout (`sequence_order`), back in the natural order: a
+    gather of B x T values, small beside the activations."""
+    order = sequence_order(x.shape[1])
+    if np.array_equal(order, np.arange(order.size)):
+        return x
+    return jnp.take(x, np.argsort(order), axis=1)
+
+
 def sequence_order(seq_len: int) -> np.ndarray:
     """(T,) int32: the position of the natural sequence held at each slot of the laid-out one. The natural order
     unless the active rules split `seq`; then the zig-zag order over the ways it is split."""

@@ -12,6 +12,7 @@ from flax import nnx
 from jaxtrain.errors import UserInputError
 
 PyTree = Any
+Objective = Callable[[nnx.Module, "nnx.Module | None", dict[str, jax.Array]], tuple[jax.Array, dict]]
 
 
 class PlacementError(UserInputError):
@@ -26,17 +27,30 @@ class ModelParts:
     abstract_params: PyTree  # pure dict of jax.ShapeDtypeStruct
     logical_names: PyTree  # same structure, tuples of names
     build: Callable[[nnx.Rngs], nnx.Module]
+    # What the run trains the model for, in place of its own `loss`: (module, reference module or None, batch) ->
+    # (loss, metrics), e.g. a preference loss (`jaxtrain.posttrain.preference`). None: the model's loss.
+    objective: Objective | None = None
 
     def module(self, params: PyTree) -> nnx.Module:
         """The model with `params` (e.g. to call it for logits, or to generate)."""
         return nnx.merge(self.graphdef, params)
 
+    def reference_module(self, params: PyTree) -> nnx.Module | None:
+        """The frozen model an objective compares the trained one with, from the same `params`: a model with
+        adapters has it (the adapters switched off); here None, and the batch carries the reference's outputs."""
+        return None
+
     def loss_fn(self, params: PyTree, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        return self.module(params).loss(batch)
+        return self._loss(self.module(params), params, batch)
 
     def training_loss_fn(self, params: PyTree, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
         """The loss a train step differentiates: `loss_fn`, unless the params train with dropout (adapters')."""
         return self.loss_fn(params, batch)
+
+    def _loss(self, module: nnx.Module, params: PyTree, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        if self.objective is None:
+            return module.loss(batch)
+        return self.objective(module, self.reference_module(params), batch)
 
     def init_params(self, seed: int, base: PyTree | None = None) -> PyTree:
         """The params at initialisation with `seed`; `base`: the model's own params to start from instead (a

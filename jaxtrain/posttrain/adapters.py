@@ -133,10 +133,12 @@ class Adapted(_StandIn):
     dropout: float = dataclasses.field(metadata={"static": True})
 
     def projected(self, spec: str, x: jax.Array) -> jax.Array:
+        base = self.base.qarray() if isinstance(self.base, quantized.Stored) else self.base
+        if not self.scale:  # switched off: the base model's matmul (a reference model's)
+            return frozen_matmul(spec, x, base)
         letters = Letters.of(spec)
         low = weight_matmul(f"{letters.x},{letters.a}->{letters.h}", self._dropped(x), self.a)  # (..., r)
         low = low * jnp.asarray(self.scale, low.dtype)  # scaled at rank width, the narrowest point
-        base = self.base.qarray() if isinstance(self.base, quantized.Stored) else self.base
         y = frozen_matmul(spec, x, base) + weight_matmul(f"{letters.h},{letters.b}->{letters.out}", low, self.b)
         # Written out, as the base model's matmul output is: fused into its reader (RoPE's rotation), the sum changes
         # how XLA:CPU compiles the reader's float32 math, and the last bits with it; so with B = 0 the model
@@ -208,16 +210,23 @@ class AdaptedModel(ModelParts):
         return nnx.merge(self.graphdef, self._standing(params, dropout=0.0))
 
     def training_loss_fn(self, params: PyTree, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        return nnx.merge(self.graphdef, self._standing(params, dropout=self.dropout)).loss(batch)
+        return self._loss(nnx.merge(self.graphdef, self._standing(params, dropout=self.dropout)), params, batch)
 
-    def _standing(self, params: PyTree, dropout: float) -> PyTree:
-        """`params` with each adapted weight's entries turned into the `Adapted` the model reads."""
+    def reference_module(self, params: PyTree) -> nnx.Module:
+        """The base model, from the same params: every adapter switched off (its product is not computed), the
+        base weights as they are stored; no gradient flows into it."""
+        return nnx.merge(self.graphdef, self._standing(jax.lax.stop_gradient(params), dropout=0.0, scale=0.0))
+
+    def _standing(self, params: PyTree, dropout: float, scale: float | None = None) -> PyTree:
+        """`params` with each adapted weight's entries turned into the `Adapted` the model reads (`scale` 0: the
+        adapters switched off)."""
+        scale = self.scale if scale is None else scale
 
         def stand_in(path: Path, entry: dict) -> Adapted:
             seed, base = entry.get("dropout_seed"), entry["base"]
             if quantized.is_quantized(base):
                 base = quantized.stored(base, self.quantize, self.targets[path].spec)
-            return Adapted(base, entry["lora_a"], entry["lora_b"], seed, _name(path), self.scale, dropout)
+            return Adapted(base, entry["lora_a"], entry["lora_b"], seed, _name(path), scale, dropout)
 
         return _replace_at(params, self.targets, stand_in)
 
@@ -335,7 +344,8 @@ def adapt(model: ModelParts, lora: LoraConfig, batch: Mapping[str, jax.ShapeDtyp
         _check_packable(targets, weights, lora.quantize)
     adapted = AdaptedModel(
         model.graphdef, model.abstract_params, model.logical_names, model.build,
-        targets=targets, rank=lora.rank, scale=lora.alpha / lora.rank, dropout=lora.dropout, quantize=lora.quantize,
+        objective=model.objective, targets=targets, rank=lora.rank, scale=lora.alpha / lora.rank,
+        dropout=lora.dropout, quantize=lora.quantize,
     )  # fmt: skip
     return dataclasses.replace(
         adapted,

@@ -41,6 +41,7 @@ from jaxtrain.training.recovery import (
     save_checkpoint,
     stop_signals,
 )
+from jaxtrain.training.reference import reference_at_start
 from jaxtrain.training.run_identity import config_json
 from jaxtrain.training.setup import Run, setup, with_data_vocab
 from jaxtrain.training.stragglers import StepTimes
@@ -120,6 +121,7 @@ def train(
         run = setup(cfg, log, devices, dataset)
         with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
             state, progress = initial_state(run, checkpoints, log)
+            reference_at_start(run, state, progress.step, log)  # DPO without adapters: the pairs' reference
             devices, dtype = list(run.shardings.mesh.devices.flat), getattr(cfg.model, "dtype", "float32")
             peak, peak_source = peak_flops(devices, dtype)
             log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")

@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.analysis.memory import memory_report
+from jaxtrain.data.chat_template import ChatTemplateError, find_chat_template, special_tokens
 from jaxtrain.data.datasets import (
     Dataset,
     TokenOptions,
@@ -28,6 +29,8 @@ from jaxtrain.data.datasets import (
     make_dataset,
     model_data_args,
 )
+from jaxtrain.data.pairs import PAIR_KEYS, PAIRS, PreferencePairs
+from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.data.tokens import token_vocab
 from jaxtrain.formatting import fmt_bytes
 from jaxtrain.ops.sequence import counted_targets, zigzag_order
@@ -47,6 +50,13 @@ from jaxtrain.placement.model import ModelParts
 from jaxtrain.placement.place import PlacedModel, place_model
 from jaxtrain.placement.shardings import Shardings
 from jaxtrain.posttrain.adapters import adapt
+from jaxtrain.posttrain.preference import (
+    NEEDS_REFERENCE,
+    PreferenceLoss,
+    check_model,
+    model_batch,
+    preference_objective,
+)
 from jaxtrain.run_config import ConfigError, RunConfig, default_config
 from jaxtrain.sharding.mesh import describe_mesh
 from jaxtrain.sharding.rules import ShardingRules
@@ -70,7 +80,7 @@ class Run:
     # the params that train (`ModelParts.trainable`: an adapted model's adapters)
     grad_fn: GradFn
     step_fn: StepFn  # (state, batch) -> (state, metrics), uncompiled
-    tokens_per_step: int  # batch x sequence length; batch for models that do not read sequences
+    tokens_per_step: int  # rows x sequence length (a preference pair is two rows); batch for models without sequences
     pipeline: Pipeline | None = None
     grad_sync: GradientSync | None = None  # an explicit gradient synchronisation algorithm, if one is chosen
 
@@ -84,11 +94,14 @@ class Run:
         train_flops = getattr(self.cfg.model, "train_flops", None)
         if train_flops is not None:
             model = self.shardings.model
-            batch, seq_len = self.cfg.data.batch_size, self.tokens_per_step // self.cfg.data.batch_size
+            seq_len = self.cfg.data.seq_len if self.placed.spec.task == "lm" else 1
+            rows = self.tokens_per_step // seq_len  # a batch of preference pairs runs two rows a pair
             if not model.freezes:
-                return train_flops(batch, seq_len)
+                return train_flops(rows, seq_len)
             trained = sum(math.prod(x.shape) for x in jax.tree.leaves(model.trainable(model.abstract_params)))
-            return train_flops(batch, seq_len, weight_gradients=False) + 6.0 * trained * self.tokens_per_step
+            # A reference model in the step (the adapters switched off) runs a forward pass: a third of the FLOPs.
+            reference = train_flops(rows, seq_len) / 3 if self.cfg.preference.loss == "dpo" else 0.0
+            return train_flops(rows, seq_len, weight_gradients=False) + 6.0 * trained * self.tokens_per_step + reference
         cost = self.train_step.cost_analysis() or {}
         return float(cost.get("flops", 0.0)) * self.shardings.mesh.size
 
@@ -225,7 +238,8 @@ def build(
     if mesh.shape["pipeline"] > 1:  # a model the pipeline cannot split is an error before any data is read
         stacked_layer_count(model.logical_names, model.abstract_params)
     dataset = _dataset(cfg, spec.task, mesh, dataset)
-    placed = with_adapters(cfg, placed, dataset.shapes(cfg.data.batch_size))
+    placed = with_adapters(cfg, placed, model_batch(dataset.shapes(cfg.data.batch_size)))
+    placed = with_objective(cfg, placed, dataset)
     model = placed.model
     optimizer, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, model.trainable(model.logical_names))
     pipeline = _pipeline(cfg, mesh, model, dataset.shapes(cfg.data.batch_size))
@@ -240,9 +254,8 @@ def build(
     sync = _gradient_sync(cfg, shardings)
     grad_fn, step_fn = compose_step(cfg, shardings, pipeline, sync, policy, optimizer, schedule)
     seq_len = cfg.data.seq_len if spec.task == "lm" else 1
-    return Run(
-        cfg, placed, shardings, dataset, optimizer, grad_fn, step_fn, cfg.data.batch_size * seq_len, pipeline, sync
-    )
+    rows = cfg.data.batch_size * (2 if PAIR_KEYS[0] in dataset.shapes(cfg.data.batch_size) else 1)
+    return Run(cfg, placed, shardings, dataset, optimizer, grad_fn, step_fn, rows * seq_len, pipeline, sync)
 
 
 def compose_step(
@@ -300,6 +313,37 @@ def with_adapters(cfg: RunConfig, placed: PlacedModel, batch: dict[str, jax.Shap
     return dataclasses.replace(placed, model=adapt(placed.model, cfg.lora, batch))
 
 
+def with_objective(cfg: RunConfig, placed: PlacedModel, dataset: Dataset) -> PlacedModel:
+    """`placed` with the objective `cfg.preference` asks for in place of its model's own loss, checked against the
+    data (pairs for a preference loss, and only for one) and the mesh. A DPO run without adapters reads its reference
+    log-probs from the batch: the dataset is told to carry them (`jaxtrain.training.reference` computes them)."""
+    p, batch = cfg.preference, dataset.shapes(cfg.data.batch_size)
+    pairs = PAIR_KEYS[0] in batch
+    if p.loss == "none":
+        if pairs:
+            raise ConfigError(
+                f"the data ({type(dataset).__name__}) are preference pairs, which the model's own loss cannot read: "
+                "set preference.loss=dpo or preference.loss=simpo."
+            )
+        return placed
+    if not pairs:
+        raise ConfigError(
+            f"preference.loss={p.loss} trains on pairs of a chosen and a rejected reply, but the data "
+            f"({type(dataset).__name__}) give {', '.join(batch)}: pass the pairs as the run's dataset "
+            "(jaxtrain.data.pairs.PreferencePairs.from_jsonl), or set preference.loss=none."
+        )
+    check_model(placed.spec.module, cfg.model_name)
+    if placed.mesh.shape["pipeline"] > 1:
+        raise ConfigError(
+            f"preference.loss={p.loss} with a pipeline axis is not supported yet: use data, fsdp, tensor or context "
+            "axes."
+        )
+    if NEEDS_REFERENCE[p.loss] and not placed.model.freezes:
+        dataset.expects_reference = True
+    objective = preference_objective(PreferenceLoss(p.loss, p.beta, p.gamma))
+    return dataclasses.replace(placed, model=dataclasses.replace(placed.model, objective=objective))
+
+
 def _check_sequence_split(cfg: RunConfig, mesh: Mesh, rules: ShardingRules, task: str) -> None:
     """Where the rules split `seq` over devices (context parallelism), the model must read sequences and the
     sequence must cut into the zig-zag layout's chunks: errors before anything is traced."""
@@ -335,6 +379,8 @@ def update_policy(cfg: RunConfig, mesh: Mesh | AbstractMesh) -> UpdatePolicy:
 def _dataset(cfg: RunConfig, task: str, mesh: Mesh, given: Dataset | None) -> Dataset:
     """The caller's dataset, checked against the model and the run's batch, or the one `cfg.data.source` names."""
     data_args = model_data_args(cfg.model)
+    if cfg.data.source.split(":", 1)[0] == PAIRS:
+        given = preference_pairs(cfg)
     if given is not None:
         return check_dataset(given, task, cfg.data.seq_len, cfg.data.batch_size, data_args["vocab_size"])
     return make_dataset(
@@ -347,6 +393,29 @@ def _dataset(cfg: RunConfig, task: str, mesh: Mesh, given: Dataset | None) -> Da
         partition=cfg.data.partition,
         replicas=mesh.shape["replica"],
         tokens=TokenOptions(cfg.data.path, cfg.data.mixture, cfg.data.packing, cfg.data.prefetch),
+    )
+
+
+def preference_pairs(cfg: RunConfig) -> PreferencePairs:
+    """The pairs `data.source=pairs[:FILE]` names, tokenized with `data.tokenizer` (conversations rendered with
+    `data.chat_template`, or the tokenizer's own)."""
+    d = cfg.data
+    path = d.source.split(":", 1)[1] if ":" in d.source else d.path
+    if not path or not d.tokenizer:
+        missing = " and ".join(k for k, v in (("data.path", path), ("data.tokenizer", d.tokenizer)) if not v)
+        raise ConfigError(
+            f"data.source={d.source} reads preference pairs from a JSON-lines file with a tokenizer; {missing} "
+            "not set: e.g. data.source=pairs:pairs.jsonl data.tokenizer=IMPORT/hf."
+        )
+    try:
+        template = find_chat_template(d.tokenizer, d.chat_template or None)
+    except ChatTemplateError:
+        if d.chat_template:
+            raise
+        template = None  # plain-text pairs need none; a conversation without one is an error naming its line
+    eos = special_tokens(d.tokenizer).get("eos_token")
+    return PreferencePairs.from_jsonl(
+        path, load_tokenizer(d.tokenizer), d.seq_len, cfg.train.seed, d.val_fraction, template, eos
     )
 
 

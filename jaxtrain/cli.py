@@ -104,7 +104,11 @@ CONFIG_FLAGS = (
     ("--steps", "train.steps", {"type": int}),
     ("--batch-size", "data.batch_size", {"type": int, "help": "global batch size, across all devices"}),
     ("--seq-len", "data.seq_len", {"type": int}),
-    ("--data", "data.source", {"help": "builtin | synthetic | digits | clicks | tokens:DIR | path/to/text.txt"}),
+    (
+        "--data",
+        "data.source",
+        {"help": "builtin | synthetic | digits | clicks | tokens:DIR | pairs:FILE.jsonl | path/to/text.txt"},
+    ),
     ("--seed", "train.seed", {"type": int}),
     ("--metrics-file", "tracking.metrics_file", {"help": "append one JSON object per logged step to this file"}),
     (

@@ -299,16 +299,7 @@ class LoraConfig(Settings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        changed = [
-            f"{self.key(f.name)}={getattr(self, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if f.name != "rank" and getattr(self, f.name) != f.default
-        ]
-        if self.rank == 0 and changed:
-            raise ConfigError(
-                f"{', '.join(changed)} set with lora.rank=0, which trains no adapters: set lora.rank (e.g. 8) to "
-                "train adapters, or drop those keys."
-            )
+        self.refuse_when_off("rank", self.rank == 0, "trains no adapters", "set lora.rank (e.g. 8) to train adapters")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,21 +316,56 @@ class PreferenceConfig(Settings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        changed = [
-            f"{self.key(f.name)}={getattr(self, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if f.name != "loss" and getattr(self, f.name) != f.default
-        ]
-        if self.loss == "none" and changed:
-            raise ConfigError(
-                f"{', '.join(changed)} set with preference.loss=none, which trains the model's own loss: set "
-                "preference.loss=dpo or simpo, or drop those keys."
-            )
+        self.refuse_when_off(
+            "loss", self.loss == "none", "trains the model's own loss", "set preference.loss=dpo or simpo"
+        )
         if self.loss == "dpo" and self.gamma != 0.5:
             raise ConfigError(
                 f"preference.gamma={self.gamma} is simpo's margin, and preference.loss=dpo has none: set "
                 "preference.loss=simpo, or drop preference.gamma."
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoConfig(Settings):
+    """GRPO on rollouts of the trainer's own sampler (`jaxtrain.posttrain.grpo_train`): `group_size` G > 1 completions
+    of each prompt, data.batch_size = prompts per step x G; 0 (the default) trains the model's own loss. The loss's
+    keys are `jaxtrain.posttrain.grpo.GrpoLoss`'s, the sampling keys the generator's."""
+
+    section: ClassVar[str] = "grpo"
+
+    group_size: int = setting(0, "G completions sampled per prompt; 0: no GRPO", at_least=0)
+    num_iterations: int = setting(
+        1,
+        "optimizer steps on each batch of rollouts (TRL's num_iterations); train.steps counts optimizer steps",
+        at_least=1,
+    )
+    epsilon_low: float = setting(0.2, "the ratio's lower clip is 1 - epsilon_low", above=0, below=1)
+    epsilon_high: float = setting(0.2, "the ratio's upper clip is 1 + epsilon_high (DAPO: 0.28)", above=0)
+    beta: float = setting(0.0, "weight of the KL to the reference (k3); 0 computes no reference", at_least=0)
+    aggregation: str = setting(
+        "dapo",
+        "token losses to one number: grpo (per completion), dapo (per token), dr_grpo (constant divisor)",
+        choices=("grpo", "dapo", "dr_grpo"),
+    )
+    scale: str = setting(
+        "std",
+        "advantages divided by the group's std, the batch's, or none (Dr. GRPO)",
+        choices=("std", "batch", "none"),
+    )
+    max_new_tokens: int = setting(32, "the most tokens a completion may have", at_least=1)
+    temperature: float = setting(1.0, "sampling temperature (the loss weighs the model's own log-probs)", above=0)
+    top_p: float = setting(1.0, "sample among the likeliest tokens whose probability reaches p", above=0, at_most=1)
+    eos_id: int = setting(-1, "the token that ends a completion (kept as its last); -1: none", at_least=-1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.group_size == 1:
+            raise ConfigError(
+                "grpo.group_size=1: each reward would be its own group's mean, every advantage 0, and nothing "
+                "learned; use grpo.group_size >= 2 (TRL's default is 8), or 0 for no GRPO."
+            )
+        self.refuse_when_off("group_size", self.group_size == 0, "trains no GRPO", "set grpo.group_size (e.g. 8)")
 
 
 ENGINES = ("spmd", "ray")
@@ -423,6 +449,7 @@ class RunConfig:
     engine: EngineConfig = EngineConfig()
     lora: LoraConfig = LoraConfig()
     preference: PreferenceConfig = PreferenceConfig()
+    grpo: GrpoConfig = GrpoConfig()
 
 
 SECTIONS = (
@@ -438,6 +465,7 @@ SECTIONS = (
     "engine",
     "lora",
     "preference",
+    "grpo",
 )
 
 

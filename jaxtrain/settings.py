@@ -138,3 +138,17 @@ class Settings:
     def key(cls, name: str) -> str:
         """The dotted config key of field `name`, as overrides spell it."""
         return f"{cls.section}.{name}" if cls.section else name
+
+    def refuse_when_off(self, switch: str, off: bool, what: str, fix: str) -> None:
+        """A section that a field switches on (lora.rank, preference.loss, grpo.group_size): where it is `off`, any
+        other field set away from its default is a `ConfigError` naming them, since nothing would read it."""
+        changed = [
+            f"{self.key(f.name)}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name != switch and getattr(self, f.name) != f.default
+        ]
+        if off and changed:
+            raise ConfigError(
+                f"{', '.join(changed)} set with {self.key(switch)}={getattr(self, switch)}, which {what}: {fix}, or "
+                "drop those keys."
+            )

@@ -3,8 +3,9 @@ which a learned router picks `top_k` per token.
 
 Routing is GShard/Switch style, with a fixed capacity so every array has a static shape. Tokens are routed in
 groups, one group per sequence: each expert takes at most `capacity = ceil(capacity_factor * top_k * seq / n_experts)`
-tokens of a group, first choices before second ones, in order; the rest are dropped (they pass by on the residual
-path). Dispatch and combine are einsums with one-hot (group, token, expert, slot) tensors:
+tokens of a group, in sequence order (a token's choices best first); the rest are dropped (they pass by on the
+residual path). Slots go in sequence order so that routing is causal: what a token keeps depends on earlier tokens
+only. Dispatch and combine are einsums with one-hot (group, token, expert, slot) tensors:
 
     x (G, S, D) --dispatch--> (E, G, C, D) --expert MLPs--> (E, G, C, D) --combine, gate-weighted--> (G, S, D)
 
@@ -123,9 +124,11 @@ def route(logits: jax.Array, k: int, capacity: int) -> tuple[jax.Array, jax.Arra
     if k > 1:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     chosen = jax.nn.one_hot(choice, experts, dtype=jnp.float32)  # (G, S, K, E)
-    # Slots in each expert's buffer go to all tokens' first choices before any second choice, then in order.
-    by_priority = chosen.transpose(0, 2, 1, 3).reshape(groups, k * size, experts)
-    slot = (jnp.cumsum(by_priority, axis=1) - 1).reshape(groups, k, size, experts).transpose(0, 2, 1, 3)
+    # Slots in each expert's buffer go to the tokens in sequence order, each token's choices best first: what a token
+    # keeps depends on earlier tokens only, so training routes as generation does, one token at a time (causal).
+    # GShard's order (every first choice before any second) lets a later token's first choice push out an earlier
+    # token's second.
+    slot = (jnp.cumsum(chosen.reshape(groups, size * k, experts), axis=1) - 1).reshape(groups, size, k, experts)
     kept = chosen * (slot < capacity)  # (G, S, K, E)
     slots = jax.nn.one_hot(jnp.sum(slot * kept, axis=-1).astype(jnp.int32), capacity, dtype=jnp.float32)  # (G,S,K,C)
     dispatch = jnp.einsum("gske,gskc->gsec", kept, slots)

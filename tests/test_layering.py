@@ -35,6 +35,7 @@ LAYERS = {
     "jaxtrain.posttrain.adapters": 3,  # LoRA: a placed model's weights with adapters, which the step composition takes
     "jaxtrain.posttrain.quantized": 3,  # QLoRA: the adapters' quantized base weights (qwix), which adapters stores
     "jaxtrain.posttrain.preference": 3,  # preference losses on pairs, which the step composition takes
+    "jaxtrain.posttrain.grpo": 3,  # the GRPO loss on a batch of rollouts, which the step composition takes
     "jaxtrain.posttrain": 5,  # post-training built on training and inference (SFT, DPO, GRPO as they land)
     "jaxtrain.training": 4,
     "jaxtrain.planner": 5,

@@ -52,16 +52,7 @@ def build(name: str, **overrides) -> nnx.Module:
     [
         pytest.param("gpt-tiny", {}, id="gpt-tiny"),
         pytest.param("moe-tiny", {"capacity_factor": 4.0}, id="moe-tiny-no-drops"),
-        pytest.param(
-            "moe-tiny",
-            {},
-            id="moe-tiny-with-drops",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="routing with capacity is not causal: a later token's first choice takes an expert's slot "
-                "before an earlier token's second choice, which is then dropped (issue 14 note)",
-            ),
-        ),
+        pytest.param("moe-tiny", {}, id="moe-tiny-with-drops"),  # slots go in token order: drops are causal too
     ],
 )
 def test_logits_never_see_later_tokens(name, overrides):

@@ -20,8 +20,9 @@ NO_DROPS = ["capacity_factor=4"]  # n_experts / top_k = 8 / 2: every expert can 
 
 
 def loop_route(logits: np.ndarray, k: int, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Reference routing, one token at a time: per group, all tokens' first choices take slots in order, then the
-    second choices; a full expert drops the token. Gates: the top-k probabilities, renormalised when k > 1."""
+    """Reference routing, one token at a time: per group, each token in sequence order takes slots for its choices,
+    best first (causal: no later token can take an earlier one's slot); a full expert drops the token. Gates: the
+    top-k probabilities, renormalised when k > 1."""
     groups, size, experts = logits.shape
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -33,7 +34,7 @@ def loop_route(logits: np.ndarray, k: int, capacity: int) -> tuple[np.ndarray, n
         gates = np.take_along_axis(probs[g], order, axis=-1)
         gates = gates / gates.sum(-1, keepdims=True) if k > 1 else gates
         used = np.zeros(experts, dtype=int)
-        for choice, s in itertools.product(range(k), range(size)):
+        for s, choice in itertools.product(range(size), range(k)):
             e = order[s, choice]
             load[e] += 1
             if used[e] < capacity:

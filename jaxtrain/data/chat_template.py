@@ -117,6 +117,17 @@ def find_chat_template(tokenizer: str | Path, named: str | None = None) -> ChatT
     )
 
 
+def optional_chat_template(tokenizer: str | Path, named: str | None = None) -> ChatTemplate | None:
+    """`find_chat_template`'s, or None where none is named and the tokenizer has none (plain-text prompts need none;
+    a conversation without one is then an error naming its line)."""
+    try:
+        return find_chat_template(tokenizer, named)
+    except ChatTemplateError:
+        if named:
+            raise
+        return None
+
+
 def special_tokens(tokenizer: str | Path) -> dict[str, str]:
     """The special tokens' texts (bos_token, eos_token, ...) the tokenizer's directory names in its
     tokenizer_config.json; empty without one."""

@@ -126,11 +126,13 @@ class Generator:
     `Generator.from_training(summary)` (what `jaxtrain.train` returns), or from a model's `Shardings` and its params."""
 
     def __init__(self, shardings: Shardings, params: PyTree, cfg: RunConfig | None = None, carried: Path | None = None):
-        """`params` in the model's layer order (placed here into `shardings`); `cfg` the run config the
-        model trained with, and `carried` the files its checkpoint carries, for its tokenizer."""
+        """`params` in the model's layer order (placed here into `shardings`: params already placed there are used
+        as they are, not copied); `cfg` the run config the model trained with, and `carried` the files its checkpoint
+        carries, for its tokenizer. A model with adapters (a training run's shardings) generates through them, as its
+        train step computes (`ModelParts.module`): GRPO's sampler."""
         self.shardings, self.cfg, self.carried = shardings, cfg, carried
         self.params = jax.device_put(params, shardings.state_shardings["params"])
-        module = nnx.merge(shardings.model.graphdef, self.params)
+        module = shardings.model.module(self.params)
         missing = [name for name in DECODER_METHODS if not callable(getattr(module, name, None))]
         if missing:
             raise GenerationError(
@@ -336,7 +338,7 @@ class Generator:
         """(B, max_new_tokens) new tokens (STOPPED after a row's end), their log-probabilities (0 after a row's end)
         and, if asked, the logits they came from."""
         with activation_sharding(self.shardings.mesh, self.shardings.rules):
-            model = nnx.merge(self.shardings.model.graphdef, params)
+            model = self.shardings.model.module(params)
             batch, width = tokens.shape
             row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(seed), jnp.arange(batch))
 
@@ -381,7 +383,7 @@ class Generator:
         return {name: self._cache_sharding(name, x.shape) for name, x in self._cache_shapes(batch, max_len).items()}
 
     def _cache_shapes(self, batch: int, max_len: int) -> dict[str, jax.ShapeDtypeStruct]:
-        module = nnx.merge(self.shardings.model.graphdef, self.params)
+        module = self.shardings.model.module(self.params)
         return jax.eval_shape(lambda: module.init_cache(batch, max_len))
 
     def _cache_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:

@@ -25,16 +25,30 @@ DeepSeekMath wrote it), and the token losses make one number by `aggregation` (m
 
 The arrays are global: sharded over a mesh (the batch dim split), every sum and mean is over the whole batch, which
 is TRL's `dapo` across processes; TRL's `bnpo` (a token mean per process) has no counterpart here.
+
+As a run's objective (`grpo_objective`, in place of the model's loss), the loss reads a batch of rollouts
+(`jaxtrain.posttrain.rollouts` makes them), fixed in shape so the train step compiles once:
+
+    tokens               (B, T + 1) int32     prompt + completion, right-padded with 0
+    loss_weights         (B, T + 1) float32   1 on the completion's tokens, laid out as the tokens (as SFT's)
+    old_log_probs        (B, T)     float32   π_old's log-prob of each target token (the sampler's), 0 elsewhere
+    advantages           (B,)       float32
+
+The policy's log-probs are the model's `target_log_probs` of the tokens; the reference's, where β > 0, are the same
+params' with the adapters switched off (the run's reference module).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxtrain.errors import UserInputError
+from jaxtrain.ops.sequence import target_weights
 
 AGGREGATIONS = {
     "grpo": "DeepSeekMath's per-completion token mean, then the mean over completions",
@@ -46,6 +60,7 @@ SCALES = {
     "batch": "over the whole batch's std (Liu et al. 2025, 'Tricks or Traps', TRL's scale_rewards='batch')",
     "none": "Dr. GRPO: not divided, so easy and hard prompts weigh alike",
 }
+ROLLOUT_KEYS = ("tokens", "loss_weights", "old_log_probs", "advantages")  # a batch of rollouts, as above
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not 0/0
 
 
@@ -214,6 +229,25 @@ class GrpoLoss:
                 f"completions have T = {shape[1]} tokens, more than max_completion_length={self.max_completion_length}"
                 ": set max_completion_length to the generation budget (>= T)"
             )
+
+
+def grpo_objective(
+    loss: GrpoLoss,
+) -> Callable[[Any, Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]:
+    """The objective a model's loss is replaced with: (policy module, reference module or None, batch of rollouts) ->
+    (loss, metrics). The reference runs only where `loss.beta` weighs it."""
+
+    def objective(policy: Any, reference: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        tokens = {"tokens": batch["tokens"]}
+        log_probs = policy.target_log_probs(tokens)  # (B, T)
+        reference_log_probs = None
+        if loss.beta:
+            reference_log_probs = jax.lax.stop_gradient(reference.target_log_probs(tokens))
+        mask = target_weights(None, batch["loss_weights"])  # (B, T): the completion's targets
+        value, metrics = loss(log_probs, batch["old_log_probs"], reference_log_probs, batch["advantages"], mask)
+        return value, {**metrics, "completion_tokens": jnp.sum(mask)}
+
+    return objective
 
 
 def _check_groups(shape: tuple[int, ...], group_size: int, scale: str) -> None:

@@ -280,13 +280,16 @@ class AdapterRestoreError(UserInputError):
 def _continues(cfg: RunConfig) -> bool:
     """Whether the run continues the training checkpoint at `checkpoint.restore` (its optimizer state and step),
     rather than starting at step 0 from its params (`_fine_tune`). A params export (an import from Hugging Face)
-    always starts so, as does `restore_params_only`, and new adapters on a checkpoint trained without them. A
+    always starts so, as do `restore_params_only`, another objective (`preference.loss`, `grpo`: after SFT), and new
+    adapters on a checkpoint trained without them. A
     checkpoint trained with adapters continues with the same `lora` settings; other ones are an error, since which of
     its weights to keep frozen would be a guess."""
     source = cfg.checkpoint.restore
     if is_params_export(source) or cfg.checkpoint.restore_params_only:
         return False
     step_dir, meta = find_checkpoint(source)
+    if _objective(meta.get("config") or {}) != _objective(dataclasses.asdict(cfg)):
+        return False  # another objective (SFT's checkpoint, then DPO or GRPO): a new run from its model, at step 0
     trained = stored_lora(step_dir, meta)
     if trained == cfg.lora:
         return True
@@ -298,6 +301,11 @@ def _continues(cfg: RunConfig) -> bool:
         f"{_lora_keys(cfg.lora, differ)}: set the same to continue that run, or checkpoint.restore_params_only=true "
         "to start from its model (adapters folded into the weights) with new adapters or, at lora.rank=0, none."
     )
+
+
+def _objective(config: dict) -> tuple[str, bool]:
+    """What a run (its config as a table) trains for: its preference loss, and whether it is GRPO."""
+    return (config.get("preference") or {}).get("loss", "none"), bool((config.get("grpo") or {}).get("group_size"))
 
 
 def _lora_keys(lora: LoraConfig, names: list[str]) -> str:

@@ -22,9 +22,10 @@ from jaxtrain.training.setup import Run
 
 
 def reference_at_start(run: Run, state: Any, step: int, log: Callable[[str], None] = print) -> None:
-    """Where the run's batches carry reference log-probs not computed yet, compute them with its starting weights:
-    `state`'s at step 0; a resumed run's start made again (its seed's initialisation, or `checkpoint.restore`)."""
-    if not getattr(run.dataset, "expects_reference", False) or run.dataset.reference is not None:
+    """Where the run's batches carry reference log-probs, compute them with its starting weights: `state`'s at step
+    0; a resumed run's start made again (its seed's initialisation, or `checkpoint.restore`). Every run computes its
+    own, so a dataset reused by another run never carries that run's."""
+    if not getattr(run.dataset, "expects_reference", False):
         return
     start = state if step == 0 else initial_state(run, None, log)[0]
     attach_reference(run, start["params"], log)

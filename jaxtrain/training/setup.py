@@ -20,7 +20,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.analysis.memory import memory_report
-from jaxtrain.data.chat_template import ChatTemplateError, find_chat_template, special_tokens
+from jaxtrain.data.chat_template import optional_chat_template, special_tokens
 from jaxtrain.data.datasets import (
     Dataset,
     TokenOptions,
@@ -50,6 +50,7 @@ from jaxtrain.placement.model import ModelParts
 from jaxtrain.placement.place import PlacedModel, place_model
 from jaxtrain.placement.shardings import Shardings
 from jaxtrain.posttrain.adapters import adapt
+from jaxtrain.posttrain.grpo import ROLLOUT_KEYS, GrpoLoss, grpo_objective
 from jaxtrain.posttrain.preference import (
     NEEDS_REFERENCE,
     PreferenceLoss,
@@ -100,7 +101,9 @@ class Run:
                 return train_flops(rows, seq_len)
             trained = sum(math.prod(x.shape) for x in jax.tree.leaves(model.trainable(model.abstract_params)))
             # A reference model in the step (the adapters switched off) runs a forward pass: a third of the FLOPs.
-            reference = train_flops(rows, seq_len) / 3 if self.cfg.preference.loss == "dpo" else 0.0
+            reference = (
+                train_flops(rows, seq_len) / 3 if self.cfg.preference.loss == "dpo" or self.cfg.grpo.beta else 0.0
+            )
             return train_flops(rows, seq_len, weight_gradients=False) + 6.0 * trained * self.tokens_per_step + reference
         cost = self.train_step.cost_analysis() or {}
         return float(cost.get("flops", 0.0)) * self.shardings.mesh.size
@@ -317,6 +320,8 @@ def with_objective(cfg: RunConfig, placed: PlacedModel, dataset: Dataset) -> Pla
     """`placed` with the objective `cfg.preference` asks for in place of its model's own loss, checked against the
     data (pairs for a preference loss, and only for one) and the mesh. A DPO run without adapters reads its reference
     log-probs from the batch: the dataset is told to carry them (`jaxtrain.training.reference` computes them)."""
+    if cfg.grpo.group_size:  # GRPO reads rollouts, which its own loop makes (jaxtrain.posttrain.grpo_train)
+        return with_grpo(cfg, placed, dataset)
     p, batch = cfg.preference, dataset.shapes(cfg.data.batch_size)
     pairs = PAIR_KEYS[0] in batch
     if p.loss == "none":
@@ -338,10 +343,52 @@ def with_objective(cfg: RunConfig, placed: PlacedModel, dataset: Dataset) -> Pla
             f"preference.loss={p.loss} with a pipeline axis is not supported yet: use data, fsdp, tensor or context "
             "axes."
         )
-    if NEEDS_REFERENCE[p.loss] and not placed.model.freezes:
-        dataset.expects_reference = True
+    dataset.expects_reference = NEEDS_REFERENCE[p.loss] and not placed.model.freezes  # set either way: a reused one
     objective = preference_objective(PreferenceLoss(p.loss, p.beta, p.gamma))
     return dataclasses.replace(placed, model=dataclasses.replace(placed.model, objective=objective))
+
+
+def with_grpo(cfg: RunConfig, placed: PlacedModel, dataset: Dataset) -> PlacedModel:
+    """`placed` with the GRPO loss `cfg.grpo` asks for in place of its model's own loss, checked against the data (a
+    batch of rollouts, `jaxtrain.posttrain.grpo.ROLLOUT_KEYS`), the mesh and the step."""
+    g = cfg.grpo
+    problem = _grpo_problem(cfg, placed, dataset.shapes(cfg.data.batch_size))
+    if problem:
+        raise ConfigError(f"grpo.group_size={g.group_size}: {problem}")
+    loss = GrpoLoss(g.epsilon_low, g.epsilon_high, g.beta, g.aggregation, g.max_new_tokens)
+    return dataclasses.replace(placed, model=dataclasses.replace(placed.model, objective=grpo_objective(loss)))
+
+
+def _grpo_problem(cfg: RunConfig, placed: PlacedModel, batch: dict[str, jax.ShapeDtypeStruct]) -> str | None:
+    """Why GRPO cannot run as configured, in words; None where it can."""
+    g = cfg.grpo
+    if set(ROLLOUT_KEYS) - set(batch):
+        return (
+            "GRPO trains on rollouts of the model's own sampler, which its loop makes: run "
+            "jaxtrain.posttrain.grpo_train.grpo_train(cfg, prompts, reward), or set grpo.group_size=0."
+        )
+    if not callable(getattr(placed.spec.module, "target_log_probs", None)):
+        return (
+            f"model '{cfg.model_name}' gives no per-token log-probs (`target_log_probs`): use a decoder (gpt, llama)."
+        )
+    if cfg.preference.loss != "none":
+        return f"preference.loss={cfg.preference.loss} is another objective: set preference.loss=none."
+    if cfg.data.batch_size % g.group_size:
+        return (
+            f"data.batch_size={cfg.data.batch_size} holds prompts x G completions, and is no multiple of G: use e.g. "
+            f"data.batch_size={g.group_size * max(1, cfg.data.batch_size // g.group_size)}."
+        )
+    if placed.mesh.shape["pipeline"] > 1:
+        return "the sampler runs every layer on each device, without a pipeline: use data, fsdp or tensor axes."
+    if cfg.train.grad_accum > 1 or cfg.allreduce.algorithm != "xla" or cfg.updates.policy != "synchronous":
+        return "GRPO runs the plain step: set train.grad_accum=1, allreduce.algorithm=xla, updates.policy=synchronous."
+    if g.beta and not placed.model.freezes:
+        return (
+            f"grpo.beta={g.beta} weighs a KL to the reference model, which with adapters is the base (the adapters "
+            "switched off, no copy); without adapters it would be a second copy of the weights, which GRPO does not "
+            "keep: set lora.rank (e.g. 8), or grpo.beta=0."
+        )
+    return None
 
 
 def _check_sequence_split(cfg: RunConfig, mesh: Mesh, rules: ShardingRules, task: str) -> None:
@@ -407,12 +454,7 @@ def preference_pairs(cfg: RunConfig) -> PreferencePairs:
             f"data.source={d.source} reads preference pairs from a JSON-lines file with a tokenizer; {missing} "
             "not set: e.g. data.source=pairs:pairs.jsonl data.tokenizer=IMPORT/hf."
         )
-    try:
-        template = find_chat_template(d.tokenizer, d.chat_template or None)
-    except ChatTemplateError:
-        if d.chat_template:
-            raise
-        template = None  # plain-text pairs need none; a conversation without one is an error naming its line
+    template = optional_chat_template(d.tokenizer, d.chat_template or None)
     eos = special_tokens(d.tokenizer).get("eos_token")
     return PreferencePairs.from_jsonl(
         path, load_tokenizer(d.tokenizer), d.seq_len, cfg.train.seed, d.val_fraction, template, eos

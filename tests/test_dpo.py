@@ -197,13 +197,13 @@ def write_lines(path, records: list[dict]):
 
 def test_dpo_from_a_language_model_checkpoint_starts_at_step_0_with_it_as_the_reference(tmp_path):
     """A checkpoint of another objective (here next-token training; SFT's in practice) is a new run's start, not a run
-    to continue: step 0, a new optimizer, and its model the reference (so the first loss is log 2)."""
-    lm = [*RUN, "mesh=data=2", "steps=2", f"checkpoint.dir={tmp_path / 'lm'}", "checkpoint.every=2"]
-    jaxtrain.train(apply_overrides(default_config("llama-tiny"), lm), log=lambda *_: None, devices=jax.devices()[:2])
-    dpo = [*RUN, "mesh=data=2", "steps=2", "log_every=1", "preference.loss=dpo", f"checkpoint.restore={tmp_path}/lm/2"]
+    to continue: step 0, a new optimizer, and its model the reference (so the first loss is log 2). The DPO run is the
+    resume test's, so its compiled step is shared through the compilation cache."""
+    lm = [*RUN, "mesh=data=2,fsdp=2", "steps=1", f"checkpoint.dir={tmp_path / 'lm'}"]
+    jaxtrain.train(apply_overrides(default_config("llama-tiny"), lm), log=lambda *_: None, devices=jax.devices()[:4])
+    dpo = [*RUN, "preference.loss=dpo", "mesh=data=2,fsdp=2", "steps=6", "log_every=1"]
     data = PreferencePairs(pairs_of_ids(), SEQ_LEN, seed=0)
-    out = jaxtrain.train(
-        apply_overrides(default_config("llama-tiny"), dpo), dataset=data, log=lambda *_: None, devices=jax.devices()[:2]
-    )
-    assert [h["step"] for h in out["history"]] == [1, 2]
+    cfg = apply_overrides(default_config("llama-tiny"), [*dpo, f"checkpoint.restore={tmp_path}/lm/1"])
+    out = jaxtrain.train(cfg, dataset=data, log=lambda *_: None, devices=jax.devices()[:4])
+    assert [h["step"] for h in out["history"]] == list(range(1, 7))
     np.testing.assert_allclose(out["history"][0]["loss"], np.log(2), rtol=1e-6)

@@ -327,6 +327,8 @@ def train_main(argv: Sequence[str]) -> int:
         cfg = _run_config(args)
         if cfg is not None and cfg.engine.kind == "ray":
             return _ray_engine(cfg)
+        elif cfg is not None and cfg.grpo.group_size:
+            _grpo(cfg)
         elif cfg is not None:
             train(cfg)
     except CheckpointWriteError as err:
@@ -356,6 +358,20 @@ def _ray_engine(cfg: RunConfig) -> int:
     except ProcessesLost as err:
         return _error(err, PROCESSES_LOST_EXIT)
     return 0
+
+
+def _grpo(cfg: RunConfig) -> None:
+    """`jaxtrain train` with grpo.group_size: GRPO on `grpo.prompts`, scored by `grpo.rewards`."""
+    from jaxtrain.posttrain.grpo_train import grpo_train
+
+    missing = [key for key in ("prompts", "rewards") if not getattr(cfg.grpo, key)]
+    if missing:
+        raise UserInputError(
+            f"grpo.group_size={cfg.grpo.group_size} samples completions of prompts and scores them, and "
+            f"{' and '.join(f'grpo.{key}' for key in missing)} {'is' if len(missing) == 1 else 'are'} not set: e.g. "
+            "grpo.prompts=prompts.jsonl grpo.rewards=exact_match."
+        )
+    grpo_train(cfg, cfg.grpo.prompts, cfg.grpo.rewards.split(","))
 
 
 @command

@@ -335,6 +335,10 @@ class GrpoConfig(Settings):
     section: ClassVar[str] = "grpo"
 
     group_size: int = setting(0, "G completions sampled per prompt; 0: no GRPO", at_least=0)
+    prompts: str = setting("", "jaxtrain train: the prompts' JSON-lines file (the Python API takes them as given)")
+    rewards: str = setting(
+        "", "jaxtrain train: comma-separated rewards (exact_match, format:REGEX without commas, module:function)"
+    )
     num_iterations: int = setting(
         1,
         "optimizer steps on each batch of rollouts (TRL's num_iterations); train.steps counts optimizer steps",

@@ -291,3 +291,18 @@ def test_a_learnable_reward_rises_and_a_resumed_run_equals_the_uninterrupted_one
     resumed = history()
     assert [h[0] for h in resumed] == [5, 6, 7, 8]
     np.testing.assert_allclose(np.array(resumed), np.array(whole[4:]), rtol=1e-5, atol=1e-7)
+
+
+def test_jaxtrain_train_runs_grpo_from_its_config(tmp_path, capsys):
+    """`jaxtrain train grpo.group_size=G grpo.prompts=FILE grpo.rewards=...`: the command line's GRPO, and its
+    one-line error without prompts or rewards."""
+    from jaxtrain.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": w, "answer": "x"}) + "\n" for w in WORDS))
+    argv = ["train", "--model", "llama-tiny", "--mesh", "data=-1", "--steps", "2", "--batch-size", "8"]
+    argv += [f"seq_len={SEQ_LEN}", f"grpo.group_size={G}", f"grpo.max_new_tokens={NEW}", "progress=false"]
+    assert main([*argv, f"grpo.prompts={prompts}", "grpo.rewards=exact_match,format:^[a-z]"]) == 0
+    assert "step 2: reward_mean" in capsys.readouterr().out
+    assert main(argv) == 2
+    assert "grpo.prompts and grpo.rewards are not set" in capsys.readouterr().err

@@ -549,6 +549,14 @@ def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> range:
     return range(min(starts), max(stops))
 
 
+def placed_batch(batch: dict[str, np.ndarray], shardings: dict[str, NamedSharding]) -> dict[str, jax.Array]:
+    """A whole batch every process holds (host arrays) as global arrays laid out by `shardings`: each device takes
+    its own slice, nothing is sent."""
+    return {
+        k: jax.make_array_from_callback(v.shape, shardings[k], lambda index, v=v: v[index]) for k, v in batch.items()
+    }
+
+
 def global_batch(
     dataset: Dataset, split: str, step: int, batch_size: int, shardings: dict[str, NamedSharding]
 ) -> dict[str, jax.Array]:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.errors import UserInputError
+from jaxtrain.posttrain.sft_eval import exact_match as sft_exact_match
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 FORMAT = "format:"  # a reward named format:REGEX checks the completion's format
@@ -53,7 +54,7 @@ def exact_match(completion: str, record: Mapping[str, Any]) -> float:
     """1.0 where the completion, stripped, is the record's `answer` as text, stripped; else 0.0."""
     if "answer" not in record:
         raise KeyError("the prompt's record has no 'answer' field, which exact_match compares with")
-    return float(completion.strip() == str(record["answer"]).strip())
+    return sft_exact_match(completion, str(record["answer"]))
 
 
 def format_reward(pattern: str) -> RewardFn:

@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxtrain.data.chat import ChatError, checked_conversation
 from jaxtrain.data.chat_template import ChatTemplate
+from jaxtrain.data.datasets import placed_batch
 from jaxtrain.errors import UserInputError
 from jaxtrain.files import read_bytes
 from jaxtrain.inference.generate import Generation, Generator
@@ -238,10 +239,7 @@ class Rollouts:
     def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """`batch` on the mesh in the train step's batch shardings (every process holds the whole of it: the
         generator gives every process every row)."""
-        return {
-            k: jax.make_array_from_callback(v.shape, self.shardings[k], lambda index, v=v: v[index])
-            for k, v in batch.items()
-        }
+        return placed_batch(batch, self.shardings)
 
 
 def pack(

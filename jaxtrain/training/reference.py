@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxtrain.data.datasets import placed_batch
 from jaxtrain.data.pairs import PAIR_KEYS
 from jaxtrain.posttrain.preference import sequence_log_probs
 from jaxtrain.training.recovery import initial_state
@@ -46,12 +47,10 @@ def attach_reference(run: Run, params: Any, log: Callable[[str], None] = print) 
         log_probs, shardings.abstract_state["params"], abstract, donate_state=False, out_shardings=shardings.replicated
     )
 
+    shardings_of = {k: v.sharding for k, v in abstract.items()}
+
     def on_mesh(batch: dict[str, np.ndarray]) -> np.ndarray:
-        arrays = {
-            k: jax.make_array_from_callback(v.shape, abstract[k].sharding, lambda index, v=v: v[index])
-            for k, v in batch.items()
-        }
-        return np.asarray(jax.device_get(compiled(params, arrays)))
+        return np.asarray(jax.device_get(compiled(params, placed_batch(batch, shardings_of))))
 
     run.dataset.attach_reference(on_mesh, batch_size)
     sizes = ", ".join(f"{run.dataset.size(split)} {split}" for split in ("train", "val"))

@@ -50,10 +50,12 @@ def cli(argv: list[str]) -> None:
         assert main(argv) == 0, argv
 
 
-def tokenize(root: Path, seed: int) -> dict[str, Path]:
-    """The task for `seed` written under `root` and tokenized with its tokenizer: `pre` (plain-text shards of the
-    pre-training paragraphs) and `sft` (chat shards, `VAL_FRACTION` of the conversations held out)."""
-    paths = instruction_task.write_task(root / "task", instruction_task.instruction_task(seed))
+def tokenize(root: Path, seed: int, task: instruction_task.Task | None = None, **kept) -> dict[str, Path]:
+    """The task for `seed` (or `task`) written under `root` (`kept`: `instruction_task.write_task`'s held_out and
+    noise) and tokenized with its tokenizer: `pre` (plain-text shards of the pre-training paragraphs) and `sft` (chat
+    shards, `VAL_FRACTION` of the conversations held out)."""
+    task = task or instruction_task.instruction_task(seed)
+    paths = instruction_task.write_task(root / "task", task, seed=seed, **kept)
     common = ["--tokenizer", str(paths["tokenizer"]), "--no-progress"]
     pre, sft = root / "pre", root / "sft"
     cli(

@@ -325,10 +325,10 @@ def train_main(argv: Sequence[str]) -> int:
 
     try:
         cfg = _run_config(args)
-        if cfg is not None and cfg.engine.kind == "ray":
-            return _ray_engine(cfg)
-        elif cfg is not None and cfg.grpo.group_size:
+        if cfg is not None and cfg.grpo.group_size:  # with engine.kind=ray too: its rollouts are sampled on Ray
             _grpo(cfg)
+        elif cfg is not None and cfg.engine.kind == "ray":
+            return _ray_engine(cfg)
         elif cfg is not None:
             train(cfg)
     except CheckpointWriteError as err:

@@ -361,6 +361,11 @@ class GrpoConfig(Settings):
     temperature: float = setting(1.0, "sampling temperature (the loss weighs the model's own log-probs)", above=0)
     top_p: float = setting(1.0, "sample among the likeliest tokens whose probability reaches p", above=0, at_most=1)
     eos_id: int = setting(-1, "the token that ends a completion (kept as its last); -1: none", at_least=-1)
+    eval_prompts: str = setting(
+        "",
+        "held-out prompts (JSON lines), completed greedily and scored by the rewards at the start, every "
+        "train.eval_every steps and at the end; empty: none",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -396,7 +401,10 @@ class EngineConfig(Settings):
     devices_per_worker: int = setting(1, "ray: simulated CPU devices of each worker's mesh (local runs)", at_least=1)
     pull_every: int = setting(1, "ray: a worker pulls fresh params every K of its gradients", at_least=1)
     max_staleness: int = setting(
-        -1, "ray: a gradient is applied at most this many updates after its params; -1: unbounded", at_least=-1
+        -1,
+        "ray: a gradient is applied at most this many updates after its params (-1: unbounded); GRPO: a batch of "
+        "rollouts is sampled at most this many params versions back (-1: engine.workers - 1)",
+        at_least=-1,
     )
     staleness_lr: str = setting(
         "none", "ray: inverse scales each update by 1 / (1 + staleness) (Zhang et al., 2016)", choices=STALENESS_LR

@@ -5,6 +5,7 @@ template to tokenize both. Deterministic from a seed (benchmarks/sft_learning.py
 it).
 
     python scripts/instruction_task.py --out task --seed 0                 # task/chats.jsonl, pretrain.txt, tokenizer/
+    python scripts/instruction_task.py --out task --held-out 128 --noise 0.5   # + prompts.jsonl, held_out.jsonl
     jaxtrain tokenize --tokenizer task/tokenizer --documents paragraphs --val-fraction 0.01 --out pre task/pretrain.txt
     jaxtrain tokenize --chat --tokenizer task/tokenizer --max-tokens 33 --val-fraction 0.06 --out sft task/chats.jsonl
 
@@ -38,6 +39,8 @@ TRANSFORMS: dict[str, Callable[[str], str]] = {
 # template's layout token for token, with one-character markers where it puts its role tokens ('#' for <|user|>,
 # '>' for <|assistant|>), so the base model has the skill and ends a turn with <|end|>; the roles are new to it.
 PLAIN = "#{}: {}<|end|>\n>{}<|end|>"
+# A noisy teacher's wrong reply: the word under another transform than the one asked for.
+CONFUSED = {"Upper": "Shift", "Shift": "Rot13", "Rot13": "Upper"}
 # Special tokens, one id each: the end of a text document, and the chat template's role markers and end of turn.
 SPECIAL = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
 # A compact template, ChatML's shape with one token per role marker:
@@ -96,6 +99,31 @@ def instruction_task(
     return Task(paragraphs, [conversation(name, word) for name, word in chat])
 
 
+def noisy_teacher(conversations: list[dict], noise: float, seed: int) -> list[dict]:
+    """`conversations` as a teacher right `1 - noise` of the time gives them: each reply replaced, with probability
+    `noise`, by the word under the transform `CONFUSED` with the one asked for (benchmarks/grpo_learning.py)."""
+    rng = np.random.default_rng((seed, 2))  # a stream of its own: the task's draws stay the task's
+    taught = []
+    for item in conversations:
+        user, assistant = item["messages"]
+        name, word = user["content"].split(": ")
+        if rng.random() < noise:
+            assistant = {"role": "assistant", "content": TRANSFORMS[CONFUSED[name]](word)}
+        taught.append({"messages": [user, assistant]})
+    return taught
+
+
+def prompt_records(conversations: list[dict]) -> list[dict]:
+    """GRPO's prompt records of `conversations`: the user's message as a conversation, the correct reply its answer
+    (`exact_match` compares with it)."""
+    records = []
+    for item in conversations:
+        user = item["messages"][0]
+        name, word = user["content"].split(": ")
+        records.append({"prompt": [user], "answer": TRANSFORMS[name](word)})
+    return records
+
+
 def tokenizer_directory(directory: str | Path) -> Path:
     """A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with the chat template): one token
     per byte (no merges, so a word's letters are its tokens) and the `SPECIAL` tokens, the chat template's end of
@@ -122,14 +150,22 @@ def tokenizer_directory(directory: str | Path) -> Path:
     return directory
 
 
-def write_task(out: str | Path, task: Task) -> dict[str, Path]:
+def write_task(out: str | Path, task: Task, held_out: int = 0, noise: float = 0.0, seed: int = 0) -> dict[str, Path]:
     """`out`/pretrain.txt (blank-line paragraphs), chats.jsonl (one conversation a line: tokenize it with
-    --val-fraction) and tokenizer/."""
+    --val-fraction) and tokenizer/. With `held_out` > 0 the last that many conversations are left out of chats.jsonl
+    and written as GRPO's prompt records, held_out.jsonl, beside prompts.jsonl, those of the conversations kept; with
+    `noise` > 0 chats.jsonl holds a noisy teacher's replies (`noisy_teacher`), the prompts the correct answers."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    kept = task.conversations[: len(task.conversations) - held_out]
     paths = {"pretrain": out / "pretrain.txt", "chats": out / "chats.jsonl"}
     paths["pretrain"].write_text("\n\n".join(task.pretrain) + "\n")
-    paths["chats"].write_text("".join(json.dumps(c) + "\n" for c in task.conversations))
+    taught = noisy_teacher(kept, noise, seed) if noise else kept
+    paths["chats"].write_text("".join(json.dumps(c) + "\n" for c in taught))
+    if held_out:
+        for name, part in (("prompts", kept), ("held_out", task.conversations[len(kept) :])):
+            paths[name] = out / f"{name}.jsonl"
+            paths[name].write_text("".join(json.dumps(r) + "\n" for r in prompt_records(part)))
     paths["tokenizer"] = tokenizer_directory(out / "tokenizer")
     return paths
 
@@ -140,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pretrain-examples", type=int, default=20_000)
     parser.add_argument("--conversations", type=int, default=2_000)
+    parser.add_argument("--held-out", type=int, default=0, help="the last N conversations as GRPO's held-out prompts")
+    parser.add_argument("--noise", type=float, default=0.0, help="the share of a noisy teacher's wrong replies")
     args = parser.parse_args(argv)
     task = instruction_task(args.seed, args.pretrain_examples, args.conversations)
-    for name, path in write_task(args.out, task).items():
+    for name, path in write_task(args.out, task, args.held_out, args.noise, args.seed).items():
         print(f"{name}: {path}")
     return 0
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
+import subprocess
+import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -127,3 +131,30 @@ def assert_adapters_match_one_device(one: Run, sharded: Run, start: dict) -> Non
     loss, got = adapter_gradients(sharded, start)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_gradients_close(got, reference, rtol=1e-5)
+
+
+# -- processes killed with SIGKILL (tests/test_fault_tolerance.py, tests/test_grpo_restart.py) ------------------------
+
+
+def logged_rows(metrics: Path) -> list[dict]:
+    """The records of a metrics file's complete lines; a SIGKILL can cut the last one short."""
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def kill_when(process: subprocess.Popen, ready, timeout: float = 120.0) -> bool:
+    """SIGKILL `process` as soon as `ready()` holds; False if it finished first."""
+    deadline = time.time() + timeout
+    while process.poll() is None and time.time() < deadline:
+        if ready():
+            process.kill()
+            process.wait()
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def newest(directory: Path) -> int:
+    """The newest complete checkpoint (Orbax renames a finished write to its step number), read without Orbax,
+    whose manager would clean up the interrupted writes a test may look for."""
+    return max([int(p.name) for p in directory.glob("*") if p.name.isdigit()], default=0)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import kill_when, logged_rows, newest
 from orbax.checkpoint._src.path import async_path
 
 from jaxtrain.placement.model import ModelParts
@@ -38,31 +39,12 @@ def train_command(directory: Path, metrics: Path) -> list[str]:
 
 
 def logged_losses(metrics: Path) -> list[tuple[int, float]]:
-    """(step, loss) of every complete line; a SIGKILL can cut the last one short."""
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    return [(r["step"], r["loss"]) for r in map(json.loads, (line for line in lines if line.endswith("}")))]
+    """(step, loss) of every complete line."""
+    return [(r["step"], r["loss"]) for r in logged_rows(metrics)]
 
 
 def saving(directory: Path) -> bool:
     return any(directory.glob("*.orbax-checkpoint-tmp*"))
-
-
-def kill_when(process: subprocess.Popen, ready, timeout: float = 120.0) -> bool:
-    """SIGKILL `process` as soon as `ready()` holds; False if it finished first."""
-    deadline = time.time() + timeout
-    while process.poll() is None and time.time() < deadline:
-        if ready():
-            process.kill()
-            process.wait()
-            return True
-        time.sleep(0.002)
-    return False
-
-
-def newest(directory: Path) -> int:
-    """The newest complete checkpoint (Orbax renames a finished write to its step number), read without Orbax,
-    whose manager would clean up the interrupted writes this test looks for."""
-    return max([int(p.name) for p in directory.glob("*") if p.name.isdigit()], default=0)
 
 
 def final_params(directory: Path) -> list[np.ndarray]:

@@ -17,8 +17,10 @@ import pytest
 from helpers import assert_gradients_close, with_random_adapters
 
 import jaxtrain
-from jaxtrain.inference.generate import ByteTokenizer, Generation
+from jaxtrain.data.chat_template import ChatTemplate
+from jaxtrain.inference.generate import ByteTokenizer, Generation, Generator
 from jaxtrain.posttrain.grpo import ROLLOUT_KEYS, group_advantages
+from jaxtrain.posttrain.grpo_reference import ReferenceLogProbs
 from jaxtrain.posttrain.grpo_train import grpo_train
 from jaxtrain.posttrain.rewards import RewardError, register_reward, resolve_rewards, score
 from jaxtrain.posttrain.rollouts import Prompts, RolloutError, Rollouts, RolloutShapes
@@ -52,7 +54,8 @@ def config(mesh: str, overrides: list[str]):
 @functools.cache
 def lora_run(mesh: str):
     devices = jax.devices()[: 1 if mesh == "data=1" else 8]
-    return build(config(mesh, LORA), log=lambda *_: None, devices=devices, dataset=RolloutShapes(SEQ_LEN))
+    cfg = config(mesh, LORA)
+    return build(cfg, log=lambda *_: None, devices=devices, dataset=RolloutShapes.of(cfg))
 
 
 @functools.cache
@@ -131,8 +134,13 @@ def test_bad_prompts_are_one_line(tmp_path):
     path.write_text('{"prompt": "a"}\n{"prompt": \n')
     with pytest.raises(RolloutError, match=r"prompts.jsonl line 2 is not JSON"):
         Prompts.from_jsonl(path, ByteTokenizer())
+    conversation = [{"prompt": [{"role": "user", "content": "hi"}]}]
     with pytest.raises(RolloutError, match=r"prompt 0's prompt is a conversation: give a chat template"):
-        Prompts.from_records([{"prompt": [{"role": "user", "content": "hi"}]}], ByteTokenizer())
+        Prompts.from_records(conversation, ByteTokenizer())
+    template = ChatTemplate("test", "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    assert Prompts.from_records(conversation, ByteTokenizer(), template).ids == (tuple(b"<user>hi<assistant>"),)
+    with pytest.raises(RolloutError, match=r"prompt 0: message 0 has role \"bot\""):
+        Prompts.from_records([{"prompt": [{"role": "bot", "content": "hi"}]}], ByteTokenizer(), template)
     run = lora_run("data=1")
     long = Prompts.from_records([{"prompt": "x" * 14}], ByteTokenizer())
     with pytest.raises(RolloutError, match=r"prompt 0 \('x{14}'\) has 14 tokens, and with grpo.max_new_tokens=4 "):
@@ -155,7 +163,6 @@ def test_bad_settings_are_one_line(overrides, match):
     "overrides,match",
     [
         (["batch_size=6"], r"data.batch_size=6 holds prompts x G completions, and is no multiple of G"),
-        (["grpo.beta=0.04"], r"grpo.beta=0.04 weighs a KL to the reference .* set lora.rank"),
         (["grad_accum=2"], r"GRPO runs the plain step: set train.grad_accum=1"),
     ],
 )
@@ -226,7 +233,7 @@ def test_at_the_first_step_on_fresh_rollouts_the_ratio_is_1_and_the_kl_0():
     policy is the reference, and the KL is 0."""
     state, sampler, rollout = fresh_rollout()
     run = sampler.run
-    batch = sampler.place(rollout.batch)
+    batch = ReferenceLogProbs(run, sampler.shardings).attach(state["params"], sampler.place(rollout.batch))
     model = run.shardings.model
     trainer = np.asarray(
         jax.jit(lambda p, t: model.module(p).target_log_probs({"tokens": t}))(state["params"], batch["tokens"])
@@ -253,7 +260,8 @@ def test_one_device_equals_the_mesh_with_adapters():
         params = run.shardings.state_from_model_order(start)["params"]
         sampler = Rollouts(run, params, prompts(), resolve_rewards(first_byte_low), ByteTokenizer().decode)
         sampled.append(sampler(params, 0).batch)
-        (loss, metrics), grads = run.compiled_grad(params, sampler.place(host))
+        batch = ReferenceLogProbs(run, sampler.shardings).attach(params, sampler.place(host))
+        (loss, metrics), grads = run.compiled_grad(params, batch)
         model = run.shardings.model
         grads = model.trainable(run.shardings.params_in_model_order(model.join(grads, model.split(params)[1])))
         metrics = {k: float(metrics[k]) for k in ("kl", "ratio", "clip_fraction")}
@@ -272,25 +280,44 @@ def test_one_device_equals_the_mesh_with_adapters():
 
 
 def test_a_learnable_reward_rises_and_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
-    """8 steps of full fine-tuning on 'the first byte is below 64', checkpointed at 4 and 8; its last checkpoint
-    deleted (a run killed after step 7), rerun: it resumes at 4 and logs the same rewards and losses for 5 to 8."""
+    """8 steps of full fine-tuning on 'the first byte is below 64' with a KL to a frozen copy of the starting weights,
+    checkpointed at 4 and 8; its last checkpoint deleted (a run killed after step 7), rerun: it resumes at 4 (its
+    reference made again) and logs the same rewards, losses and KL for 5 to 8, and the same held-out score at 8. The
+    held-out score (at 0 and at the end) is that of the greedy completions the saved model gives, and the metrics
+    file holds every record once."""
     overrides = ["learning_rate=0.05", "batch_size=16", "grpo.group_size=8", "grpo.max_new_tokens=2", "steps=8"]
-    overrides += [f"checkpoint.dir={tmp_path}", "checkpoint.every=4"]
+    overrides += ["grpo.beta=0.04"]  # the KL to a frozen copy of the starting weights: no adapters here
+    metrics = tmp_path.parent / f"{tmp_path.name}-metrics.jsonl"
+    overrides += [f"checkpoint.dir={tmp_path}", "checkpoint.every=4", f"tracking.metrics_file={metrics}"]
     cfg = config("data=1", overrides)
-    path = tmp_path.parent / f"{tmp_path.name}.jsonl"
+    path, held_out = (tmp_path.parent / f"{tmp_path.name}-{name}.jsonl" for name in ("train", "eval"))
     path.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS))
+    held_out.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ("xy", "A", "bye", "z", "7")))
+    keys = ("reward_mean", "loss", "grad_norm", "val_reward_mean", "kl")
 
     def history() -> list[tuple]:
-        out = grpo_train(cfg, path, first_byte_low, log=lambda *_: None, devices=jax.devices()[:1])
-        return [(h["step"], h["reward_mean"], h["loss"], h["grad_norm"]) for h in out["history"]]
+        out = grpo_train(
+            cfg, path, first_byte_low, eval_prompts=held_out, log=lambda *_: None, devices=jax.devices()[:1]
+        )
+        return [(h["step"], *(h.get(k, np.nan) for k in keys)) for h in out["history"]]
 
     whole = history()
-    rewards = [h[1] for h in whole]
+    assert [h[0] for h in whole] == list(range(9))
+    rewards = [h[1] for h in whole[1:]]
     assert np.mean(rewards[-2:]) >= rewards[0] + 0.3, rewards
+    kl = [h[5] for h in whole[1:]]
+    assert kl[0] < 1e-6 and min(kl[1:]) > 1e-4, kl  # the first step's policy is the reference; then it moves off
+    greedy = Generator.restore(tmp_path / "8").generate(
+        [list(w.encode()) for w in ("xy", "A", "bye", "z", "7")], max_new_tokens=2
+    )
+    assert whole[-1][4] == np.mean([first_byte_low(bytes(t).decode("utf-8", "replace"), {}) for t in greedy.tokens])
+    assert np.isfinite(whole[0][4]) and all(np.isnan(h[4]) for h in whole[1:-1])
     shutil.rmtree(tmp_path / "8")
     resumed = history()
     assert [h[0] for h in resumed] == [5, 6, 7, 8]
-    np.testing.assert_allclose(np.array(resumed), np.array(whole[4:]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.array(resumed), np.array(whole[5:]), rtol=1e-5, atol=1e-7)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(9)) and rows[-1]["val_first_byte_low"] == resumed[-1][4]
 
 
 def test_jaxtrain_train_runs_grpo_from_its_config(tmp_path, capsys):
@@ -303,6 +330,7 @@ def test_jaxtrain_train_runs_grpo_from_its_config(tmp_path, capsys):
     argv = ["train", "--model", "llama-tiny", "--mesh", "data=-1", "--steps", "2", "--batch-size", "8"]
     argv += [f"seq_len={SEQ_LEN}", f"grpo.group_size={G}", f"grpo.max_new_tokens={NEW}", "progress=false"]
     assert main([*argv, f"grpo.prompts={prompts}", "grpo.rewards=exact_match,format:^[a-z]"]) == 0
-    assert "step 2: reward_mean" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "step      2  loss" in printed.err and "done: steps 2  reward_mean" in printed.out
     assert main(argv) == 2
     assert "grpo.prompts and grpo.rewards are not set" in capsys.readouterr().err

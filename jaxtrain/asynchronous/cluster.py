@@ -71,17 +71,17 @@ def start_worker(cfg: RunConfig, index: int, slowdown: float) -> Any:
     local = not cfg.engine.ray_address
     devices = cfg.engine.devices_per_worker if local else 0
     remote = ray.remote(num_cpus=1, max_restarts=0)(Worker)
-    return remote.options(runtime_env=_cpu_env(devices) if local else None).remote(cfg, index, devices, slowdown)
+    return remote.options(runtime_env=cpu_env(devices) if local else None).remote(cfg, index, devices, slowdown)
 
 
 def start_server(cfg: RunConfig, names: list[tuple], params: list[np.ndarray] | ray.ObjectRef) -> Any:
     """A `ServerShard` actor holding `params` (with their logical `names`; or a reference to them), on its host's
     CPU."""
     remote = ray.remote(num_cpus=0, max_restarts=0)(ServerShard)
-    return remote.options(runtime_env=_cpu_env(1)).remote(cfg.optimizer, cfg.train.steps, names, params)
+    return remote.options(runtime_env=cpu_env(1)).remote(cfg.optimizer, cfg.train.steps, names, params)
 
 
-def _cpu_env(devices: int) -> dict[str, Any]:
+def cpu_env(devices: int) -> dict[str, Any]:
     """JAX on `devices` CPU devices from the moment the process starts: a process that imports JAX before the actor
     is built (to unpickle its arguments) must not probe for accelerators or settle on one device."""
     env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}

@@ -104,7 +104,9 @@ def conversation(line: bytes) -> list[dict]:
     raise ChatError(f"expected {RECORD_FORMAT}; got {found}.")
 
 
-def checked_conversation(messages: object) -> list[dict]:
+def checked_conversation(messages: object, reply: bool = True) -> list[dict]:
+    """`messages` if they are a conversation (roles known, contents texts, a user first), else a `ChatError`; with
+    `reply`, one the assistant answers in (a prompt for generation need not be)."""
     if not isinstance(messages, list) or not messages:
         raise ChatError(f"'messages' must be a non-empty list of messages, got {json.dumps(messages)[:60]}.")
     for k, message in enumerate(messages):
@@ -120,7 +122,7 @@ def checked_conversation(messages: object) -> list[dict]:
                 "content is a text."
             )
     roles = [m["role"] for m in messages]
-    if "assistant" not in roles:
+    if reply and "assistant" not in roles:
         raise ChatError(
             f"the conversation has no assistant message (roles: {', '.join(roles)}): there is nothing to train on. "
             "Give each conversation the assistant's reply, or leave the line out."

@@ -33,9 +33,11 @@ As a run's objective (`grpo_objective`, in place of the model's loss), the loss 
     loss_weights         (B, T + 1) float32   1 on the completion's tokens, laid out as the tokens (as SFT's)
     old_log_probs        (B, T)     float32   π_old's log-prob of each target token (the sampler's), 0 elsewhere
     advantages           (B,)       float32
+    reference_log_probs  (B, T)     float32   π_ref's, where β > 0 (`jaxtrain.posttrain.grpo_reference` adds them)
 
-The policy's log-probs are the model's `target_log_probs` of the tokens; the reference's, where β > 0, are the same
-params' with the adapters switched off (the run's reference module).
+The policy's log-probs are the model's `target_log_probs` of the tokens; the reference's come with the batch, computed
+once per batch of rollouts (the adapters switched off, or a frozen copy of the starting weights), not in each of its
+optimizer steps.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ SCALES = {
     "none": "Dr. GRPO: not divided, so easy and hard prompts weigh alike",
 }
 ROLLOUT_KEYS = ("tokens", "loss_weights", "old_log_probs", "advantages")  # a batch of rollouts, as above
+REFERENCE_KEY = "reference_log_probs"  # and with β > 0 the reference's log-probs
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not 0/0
 
 
@@ -235,14 +238,12 @@ def grpo_objective(
     loss: GrpoLoss,
 ) -> Callable[[Any, Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]:
     """The objective a model's loss is replaced with: (policy module, reference module or None, batch of rollouts) ->
-    (loss, metrics). The reference runs only where `loss.beta` weighs it."""
+    (loss, metrics). The reference's log-probs are the batch's (`REFERENCE_KEY`), read where `loss.beta` weighs
+    them: the reference module itself is not run."""
 
     def objective(policy: Any, reference: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        tokens = {"tokens": batch["tokens"]}
-        log_probs = policy.target_log_probs(tokens)  # (B, T)
-        reference_log_probs = None
-        if loss.beta:
-            reference_log_probs = jax.lax.stop_gradient(reference.target_log_probs(tokens))
+        log_probs = policy.target_log_probs({"tokens": batch["tokens"]})  # (B, T)
+        reference_log_probs = batch[REFERENCE_KEY] if loss.beta else None
         mask = target_weights(None, batch["loss_weights"])  # (B, T): the completion's targets
         value, metrics = loss(log_probs, batch["old_log_probs"], reference_log_probs, batch["advantages"], mask)
         return value, {**metrics, "completion_tokens": jnp.sum(mask)}

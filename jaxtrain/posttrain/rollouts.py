@@ -37,8 +37,9 @@ from jaxtrain.data.datasets import placed_batch
 from jaxtrain.errors import UserInputError
 from jaxtrain.files import read_bytes
 from jaxtrain.inference.generate import Generation, Generator
-from jaxtrain.posttrain.grpo import group_advantages
+from jaxtrain.posttrain.grpo import REFERENCE_KEY, group_advantages
 from jaxtrain.posttrain.rewards import Reward, score
+from jaxtrain.run_config import RunConfig
 from jaxtrain.training.setup import Run
 
 PyTree = Any
@@ -116,7 +117,7 @@ def encode_prompt(where: str, record: Any, tokenizer: Tokenizer, template: ChatT
         if template is None:
             raise RolloutError(f"{where}'s prompt is a conversation: give a chat template to render it with.")
         try:
-            prompt = template.render(checked_conversation(prompt), add_generation_prompt=True)
+            prompt = template.render(checked_conversation(prompt, reply=False), add_generation_prompt=True)
         except ChatError as err:
             raise RolloutError(f"{where}: {err}") from None
     if not isinstance(prompt, str) or not prompt:
@@ -130,17 +131,24 @@ class RolloutShapes:
 
     task = "lm"
 
-    def __init__(self, seq_len: int):
-        self.seq_len = seq_len
+    def __init__(self, seq_len: int, reference: bool = False):
+        """`reference`: the batch carries the reference's log-probs too (`grpo.beta` > 0)."""
+        self.seq_len, self.reference = seq_len, reference
 
     def shapes(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         rows, t = batch_size, self.seq_len
-        return {
+        shapes = {
             "tokens": jax.ShapeDtypeStruct((rows, t + 1), np.int32),
             "loss_weights": jax.ShapeDtypeStruct((rows, t + 1), np.float32),
             "old_log_probs": jax.ShapeDtypeStruct((rows, t), np.float32),
             "advantages": jax.ShapeDtypeStruct((rows,), np.float32),
         }
+        return shapes | ({REFERENCE_KEY: jax.ShapeDtypeStruct((rows, t), np.float32)} if self.reference else {})
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> RolloutShapes:
+        """The shapes of the batches of rollouts `cfg` trains on."""
+        return cls(cfg.data.seq_len, reference=bool(cfg.grpo.beta))
 
     def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
         raise RolloutError(
@@ -159,10 +167,14 @@ class Rollout:
     completions: list[str]  # each row's completion text, without its stop token
     lengths: np.ndarray  # (B,) completion tokens, the stop token included
     stopped: np.ndarray  # (B,) bool: the completion ended with the stop token (else it ran to max_new_tokens)
+    # Params versions between the sampler's and the learner's: 0 in process; up to engine.max_staleness from Ray's
+    # rollout workers (jaxtrain.asynchronous.rollout_workers), which GRPO's importance ratio corrects for.
+    staleness: int = 0
 
     def metrics(self, group_size: int) -> dict[str, float]:
         """Reward mean and standard deviation over the batch, the fraction of groups whose rewards are all equal
-        (their advantages are 0: nothing to learn from them), completion lengths, and the fraction stopped."""
+        (their advantages are 0: nothing to learn from them), completion lengths, the fraction stopped, and the
+        staleness of the params they were sampled from."""
         groups = self.rewards.reshape(-1, group_size)
         return {
             "reward_mean": float(np.mean(self.rewards)),
@@ -170,6 +182,7 @@ class Rollout:
             "zero_std_fraction": float(np.mean(np.ptp(groups, axis=1) == 0)),
             "completion_length": float(np.mean(self.lengths)),
             "stopped_fraction": float(np.mean(self.stopped)),
+            "staleness": float(self.staleness),
         }
 
 
@@ -191,8 +204,7 @@ class Rollouts:
         self.per_step = run.cfg.data.batch_size // self.settings.group_size
         self._check_lengths()
         self.generator = Generator(run.shardings, params, run.cfg)  # the run's placement: the arrays, not a copy
-        shapes = RolloutShapes(self.seq_len).shapes(run.cfg.data.batch_size)
-        self.shardings = {k: v.sharding for k, v in run.shardings.abstract_batch(shapes).items()}
+        self.shardings = batch_shardings(run)
 
     def _check_lengths(self) -> None:
         """Every prompt leaves room for `max_new_tokens` in the batch's rows of seq_len + 1 tokens."""
@@ -225,9 +237,7 @@ class Rollouts:
     def scored(self, chosen: np.ndarray, generation: Generation) -> Rollout:
         """The rollout of `generation`, the completions of the prompts `chosen` (an index a row): each completion's
         text without its stop token, scored, its group's advantages, and the batch."""
-        eos = self.settings.eos_id
-        stopped = np.array([bool(t) and t[-1] == eos for t in generation.tokens])
-        texts = [self.decode(t[:-1] if s else t) for t, s in zip(generation.tokens, stopped)]
+        texts, stopped = completion_texts(generation, self.settings.eos_id, self.decode)
         records = [self.prompts.records[i] for i in chosen]
         rewards = score(self.rewards, texts, records, chosen.tolist())
         advantages = np.asarray(group_advantages(rewards, self.settings.group_size, self.settings.scale))
@@ -240,6 +250,20 @@ class Rollouts:
         """`batch` on the mesh in the train step's batch shardings (every process holds the whole of it: the
         generator gives every process every row)."""
         return placed_batch(batch, self.shardings)
+
+
+def batch_shardings(run: Run) -> dict[str, jax.sharding.Sharding]:
+    """The train step's sharding of each array of a batch of rollouts (`place` puts a host batch there)."""
+    shapes = RolloutShapes.of(run.cfg).shapes(run.cfg.data.batch_size)
+    return {k: v.sharding for k, v in run.shardings.abstract_batch(shapes).items()}
+
+
+def completion_texts(
+    generation: Generation, eos_id: int, decode: Callable[[Sequence[int]], str]
+) -> tuple[list[str], np.ndarray]:
+    """Each completion's text without its stop token, and whether it ended with that token (`eos_id`; -1: none)."""
+    stopped = np.array([bool(t) and t[-1] == eos_id for t in generation.tokens])
+    return [decode(t[:-1] if s else t) for t, s in zip(generation.tokens, stopped)], stopped
 
 
 def pack(

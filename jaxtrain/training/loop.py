@@ -125,7 +125,7 @@ def train(
             devices, dtype = list(run.shardings.mesh.devices.flat), getattr(cfg.model, "dtype", "float32")
             peak, peak_source = peak_flops(devices, dtype)
             log(f"model FLOPs/step {run.flops_per_step:.3e}; peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
-            sink = _metrics_sink(cfg, lead, on_metrics, progress, log)
+            sink = metrics_sink(cfg, lead, on_metrics, progress, log)
             traced = step_profiler(profiled, cfg.tracking.profile_dir)
             recorder = Recorder(run, Peak(peak, functools.partial(peak_too_low, devices, dtype), log), sink)
             with recorder, stop_signals() as stop, traced as profiler:
@@ -158,7 +158,7 @@ def _check_start(cfg: RunConfig, evaluations: Sequence[Evaluation]) -> None:
         )
 
 
-def _metrics_sink(
+def metrics_sink(
     cfg: RunConfig, lead: bool, on_metrics: Callable | None, progress: Progress, log: Callable[[str], None]
 ) -> MetricsLog:
     """Where process 0 writes the metrics of the run `progress` names, from its step on (the other processes train

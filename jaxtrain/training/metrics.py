@@ -231,6 +231,8 @@ def _short(record: dict[str, Any]) -> str:
     for key, fmt in (
         ("loss", "loss {:.4f}"),
         ("val_loss", "val {:.4f}"),
+        ("reward_mean", "reward {:.3f}"),
+        ("val_reward_mean", "val reward {:.3f}"),
         ("accuracy", "acc {:.3f}"),
         ("tokens_per_sec", "{:,.0f} tok/s"),
         ("mfu", "MFU {:.1%}"),

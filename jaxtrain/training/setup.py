@@ -100,10 +100,9 @@ class Run:
             if not model.freezes:
                 return train_flops(rows, seq_len)
             trained = sum(math.prod(x.shape) for x in jax.tree.leaves(model.trainable(model.abstract_params)))
-            # A reference model in the step (the adapters switched off) runs a forward pass: a third of the FLOPs.
-            reference = (
-                train_flops(rows, seq_len) / 3 if self.cfg.preference.loss == "dpo" or self.cfg.grpo.beta else 0.0
-            )
+            # DPO's reference in the step (the adapters switched off) runs a forward pass: a third of the FLOPs (GRPO's
+            # runs before the step, once per batch of rollouts).
+            reference = train_flops(rows, seq_len) / 3 if self.cfg.preference.loss == "dpo" else 0.0
             return train_flops(rows, seq_len, weight_gradients=False) + 6.0 * trained * self.tokens_per_step + reference
         cost = self.train_step.cost_analysis() or {}
         return float(cost.get("flops", 0.0)) * self.shardings.mesh.size
@@ -305,7 +304,8 @@ def with_adapters(cfg: RunConfig, placed: PlacedModel, batch: dict[str, jax.Shap
     shapes, to trace the model's loss with (`jaxtrain.posttrain.adapters.adapt`)."""
     if not cfg.lora.rank:
         return placed
-    if cfg.updates.policy != "synchronous" or cfg.engine.kind != "spmd":
+    ray_gradients = cfg.engine.kind != "spmd" and not cfg.grpo.group_size  # GRPO on Ray: only the rollouts are
+    if cfg.updates.policy != "synchronous" or ray_gradients:
         which = (
             f"updates.policy={cfg.updates.policy}" if cfg.engine.kind == "spmd" else f"engine.kind={cfg.engine.kind}"
         )
@@ -382,12 +382,6 @@ def _grpo_problem(cfg: RunConfig, placed: PlacedModel, batch: dict[str, jax.Shap
         return "the sampler runs every layer on each device, without a pipeline: use data, fsdp or tensor axes."
     if cfg.train.grad_accum > 1 or cfg.allreduce.algorithm != "xla" or cfg.updates.policy != "synchronous":
         return "GRPO runs the plain step: set train.grad_accum=1, allreduce.algorithm=xla, updates.policy=synchronous."
-    if g.beta and not placed.model.freezes:
-        return (
-            f"grpo.beta={g.beta} weighs a KL to the reference model, which with adapters is the base (the adapters "
-            "switched off, no copy); without adapters it would be a second copy of the weights, which GRPO does not "
-            "keep: set lora.rank (e.g. 8), or grpo.beta=0."
-        )
     return None
 
 

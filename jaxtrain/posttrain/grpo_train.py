@@ -114,7 +114,7 @@ def grpo_train(
 
 
 def _summary(history: list[dict[str, float]]) -> str:
-    """The last record's rewards, loss and held-out scores, and the newest held-out score's step."""
+    """The `done:` line: the last record's rewards, loss and KL, and the newest held-out scores."""
     if not history:
         return "done: nothing to do (the run had reached train.steps)"
     last, scored = history[-1], [r for r in history if "val_reward_mean" in r]

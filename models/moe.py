@@ -1,11 +1,13 @@
 """A mixture-of-experts decoder: GPT (models/gpt.py) with each block's MLP replaced by `n_experts` expert MLPs, of
 which a learned router picks `top_k` per token.
 
-Routing is GShard/Switch style, with a fixed capacity so every array has a static shape. Tokens are routed in
-groups, one group per sequence: each expert takes at most `capacity = ceil(capacity_factor * top_k * seq / n_experts)`
-tokens of a group, in sequence order (a token's choices best first); the rest are dropped (they pass by on the
-residual path). Slots go in sequence order so that routing is causal: what a token keeps depends on earlier tokens
-only. Dispatch and combine are einsums with one-hot (group, token, expert, slot) tensors:
+Routing (`routing=capacity`, the default) is GShard/Switch style, with a fixed capacity so every array has a static
+shape; `routing=dropless` sends every token to its experts through a grouped matmul instead (`grouped_experts`).
+Tokens are routed in groups, one group per sequence: each expert takes at most
+`capacity = ceil(capacity_factor * top_k * seq / n_experts)` tokens of a group, in sequence order (a token's choices
+best first); the rest are dropped (they pass by on the residual path). Slots go in sequence order so that routing is
+causal: what a token keeps depends on earlier tokens only. Dispatch and combine are einsums with one-hot (group,
+token, expert, slot) tensors:
 
     x (G, S, D) --dispatch--> (E, G, C, D) --expert MLPs--> (E, G, C, D) --combine, gate-weighted--> (G, S, D)
 
@@ -47,6 +49,8 @@ from jaxtrain.sharding.constraints import constrain
 
 from .gpt import GPT, Block, Context, GPTConfig, normal_param, residual_std
 
+ROUTINGS = ("capacity", "dropless")
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig(GPTConfig):
@@ -54,8 +58,14 @@ class MoEConfig(GPTConfig):
 
     n_experts: int = setting(8, "expert MLPs per block", at_least=1)
     top_k: int = setting(2, "experts per token: 1 (Switch) or 2 (GShard)", at_least=1)
+    routing: str = setting(
+        "capacity",
+        "capacity: each expert takes at most capacity_factor x its fair share of a sequence, the rest dropped; "
+        "dropless: every token reaches its top_k experts (grouped matmuls, jax.lax.ragged_dot)",
+        choices=ROUTINGS,
+    )
     # Slots per expert over its fair share; n_experts / top_k never drops a token.
-    capacity_factor: float = setting(1.25, "slots per expert over its fair share")
+    capacity_factor: float = setting(1.25, "slots per expert over its fair share (routing=capacity)")
     aux_loss_weight: float = setting(0.01, "weight of the load-balancing loss", at_least=0)
 
     def __post_init__(self):
@@ -110,6 +120,24 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
 
 
+def choose(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Router probabilities (G, S, E) from logits, and each token's `k` experts, best first (G, S, K) with their gates:
+    their probabilities, renormalised over the k choices when k > 1."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    gates, choice = top_k(probs, k)
+    if k > 1:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return probs, gates, choice
+
+
+def balance_loss(probs: jax.Array, routed: jax.Array, k: int) -> jax.Array:
+    """Switch's auxiliary loss: E x sum_e f_e P_e, from the router probabilities (G, S, E) and the tokens routed to
+    each expert (E,)."""
+    groups, size, experts = probs.shape
+    # A float, not an int: as an int32 the count overflows for the huge batches `jaxtrain plan` traces with.
+    return experts * jnp.sum(routed / float(groups * size * k) * jnp.mean(probs, axis=(0, 1)))
+
+
 def route(logits: jax.Array, k: int, capacity: int) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Top-k routing with `capacity` slots per expert and group, from router logits (G, S, E).
 
@@ -119,10 +147,7 @@ def route(logits: jax.Array, k: int, capacity: int) -> tuple[jax.Array, jax.Arra
     capacity, and the routed tokens dropped.
     """
     groups, size, experts = logits.shape
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # (G, S, E)
-    gates, choice = top_k(probs, k)  # (G, S, K)
-    if k > 1:
-        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    probs, gates, choice = choose(logits, k)  # (G, S, E), (G, S, K) twice
     chosen = jax.nn.one_hot(choice, experts, dtype=jnp.float32)  # (G, S, K, E)
     # Slots in each expert's buffer go to the tokens in sequence order, each token's choices best first: what a token
     # keeps depends on earlier tokens only, so training routes as generation does, one token at a time (causal).
@@ -134,9 +159,24 @@ def route(logits: jax.Array, k: int, capacity: int) -> tuple[jax.Array, jax.Arra
     dispatch = jnp.einsum("gske,gskc->gsec", kept, slots)
     combine = jnp.einsum("gsk,gske,gskc->gsec", gates, kept, slots)
     routed = jnp.sum(chosen, axis=(0, 1, 2))  # (E,)
-    # A float, not an int: as an int32 the count overflows for the huge batches `jaxtrain plan` traces with.
-    aux = experts * jnp.sum(routed / float(groups * size * k) * jnp.mean(probs, axis=(0, 1)))
-    return dispatch, combine, {"aux": aux, "load": routed, "dropped": jnp.sum(chosen) - jnp.sum(kept)}
+    stats = {"aux": balance_loss(probs, routed, k), "load": routed, "dropped": jnp.sum(chosen) - jnp.sum(kept)}
+    return dispatch, combine, stats
+
+
+def grouped_experts(x: jax.Array, gates: jax.Array, choice: jax.Array, w_in: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Dropless experts: every token (G, S, D) through each of its K chosen experts (`choice`, G, S, K), weighted by
+    its `gates`, with the token-choices sorted by expert and each expert's rows one matmul of a grouped matmul
+    (`jax.lax.ragged_dot`: one call for all experts, no capacity, no padding)."""
+    groups, size, d = x.shape
+    k, experts = choice.shape[-1], w_in.shape[0]
+    flat = choice.reshape(-1)  # (G S K,): token-choices in token order
+    order = jnp.argsort(flat, stable=True)  # grouped by expert
+    sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
+    rows = x.reshape(groups * size, d)[order // k]  # (G S K, D)
+    hidden = jax.nn.gelu(jax.lax.ragged_dot(rows, w_in, sizes))  # (G S K, F)
+    out = jax.lax.ragged_dot(hidden, w_down, sizes)  # (G S K, D), in the experts' order
+    out = jnp.zeros_like(out).at[order].set(out).reshape(groups, size, k, d)  # back in token order
+    return jnp.einsum("gskd,gsk->gsd", out, gates.astype(x.dtype))
 
 
 class MoEBlock(Block):
@@ -155,6 +195,8 @@ class MoEBlock(Block):
 
     def experts(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:  # x: (G, S, D), a group a sequence
         logits = jnp.einsum("gsd,de->gse", x.astype(jnp.float32), self.router[...])  # (G, S, E)
+        if self.cfg.routing == "dropless":
+            return self.dropless(x, logits)
         dispatch, combine, stats = route(logits, self.cfg.top_k, self.cfg.capacity(x.shape[1]))
         dtype = x.dtype
         tokens = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dtype), x)  # (E, G, C, D)
@@ -169,6 +211,15 @@ class MoEBlock(Block):
         out = constrain(out, ("expert", "expert_group", "capacity", "embed"))
         out = constrain(out, (None, "batch", "capacity", "embed"))  # back to the tokens' devices (all-to-all)
         return jnp.einsum("egcd,gsec->gsd", out, combine.astype(dtype)), stats
+
+    def dropless(self, x: jax.Array, logits: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Every token through its top-k experts (`grouped_experts`); nothing dropped. The tokens are sorted across
+        the whole batch, which XLA partitions without an all-to-all over the expert axis (docs/parallelism.md)."""
+        k = self.cfg.top_k
+        probs, gates, choice = choose(logits, k)
+        routed = jnp.sum(jax.nn.one_hot(choice, self.cfg.n_experts, dtype=jnp.float32), axis=(0, 1, 2))
+        y = grouped_experts(x, gates, choice, self.w_in[...], self.w_down[...])
+        return y, {"aux": balance_loss(probs, routed, k), "load": routed, "dropped": jnp.zeros((), jnp.float32)}
 
 
 class MoE(GPT):

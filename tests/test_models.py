@@ -53,6 +53,7 @@ def build(name: str, **overrides) -> nnx.Module:
         pytest.param("gpt-tiny", {}, id="gpt-tiny"),
         pytest.param("moe-tiny", {"capacity_factor": 4.0}, id="moe-tiny-no-drops"),
         pytest.param("moe-tiny", {}, id="moe-tiny-with-drops"),  # slots go in token order: drops are causal too
+        pytest.param("moe-tiny", {"routing": "dropless"}, id="moe-tiny-dropless"),
     ],
 )
 def test_logits_never_see_later_tokens(name, overrides):

@@ -13,10 +13,11 @@ from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.parallel.pipeline import PipelineError
 from jaxtrain.run_config import ConfigError, apply_overrides, default_config
 from jaxtrain.training.loop import train
-from jaxtrain_models.moe import route
+from jaxtrain_models.moe import grouped_experts, route
 
 MESHES = ["data=2,expert=4", "data=2,expert=2,tensor=2"]
 NO_DROPS = ["capacity_factor=4"]  # n_experts / top_k = 8 / 2: every expert can take every token of a group
+DROPLESS = ["routing=dropless"]
 
 
 def loop_route(logits: np.ndarray, k: int, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,6 +57,45 @@ def test_routing_matches_a_token_by_token_loop(k, capacity):
     assert (stats["dropped"] > 0) == (capacity < 10)  # small capacities drop tokens, capacity = S never does
 
 
+def test_grouped_experts_equal_each_token_through_its_experts():
+    """Dropless experts against a per-token dense reference (float64): each token through each of its k experts'
+    MLPs, weighted by its gates. Expert 3 gets no token: an empty group of the grouped matmul."""
+    rng = np.random.default_rng(0)
+    x, w_in, w_down = rng.normal(size=(3, 10, 8)), rng.normal(size=(5, 8, 16)) / 3, rng.normal(size=(5, 16, 8)) / 4
+    choice = rng.choice([0, 1, 2, 4], size=(3, 10, 2))
+    gates = rng.uniform(size=(3, 10, 2))
+    got = grouped_experts(*(np.float32(a) for a in (x, gates)), choice, np.float32(w_in), np.float32(w_down))
+    gelu = jax.jit(jax.nn.gelu)
+    want = np.zeros_like(x)
+    for g, s, k in itertools.product(range(3), range(10), range(2)):
+        e = choice[g, s, k]
+        want[g, s] += gates[g, s, k] * np.asarray(gelu(x[g, s] @ w_in[e])) @ w_down[e]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_dropless_logits_equal_capacity_routing_that_drops_nothing():
+    """The same params, routed dropless and with room for every token (capacity_factor 4): the same logits; and
+    with drops (capacity_factor 1.25) dropless keeps what capacity routing drops."""
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxtrain.registry import resolve_model
+
+    spec, preset = resolve_model("moe-tiny")
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 32)).astype(np.int32)
+
+    def run(**overrides):
+        with nnx.use_eager_sharding(False):
+            return spec.module(dataclasses.replace(spec.presets[preset](), **overrides), nnx.Rngs(0))(tokens)
+
+    (dropless, stats), (roomy, _), (tight, tight_stats) = run(routing="dropless"), run(capacity_factor=4.0), run()
+    np.testing.assert_allclose(dropless, roomy, rtol=1e-5, atol=1e-5)
+    assert float(np.sum(stats["dropped"])) == 0 and float(np.sum(tight_stats["dropped"])) > 0
+    assert np.abs(np.asarray(dropless) - np.asarray(tight)).max() > 1e-3
+    np.testing.assert_array_equal(stats["load"].sum(-1), 2 * 32 * 2)  # every token-choice routed, per layer
+
+
 def test_auxiliary_loss_is_one_when_uniform_and_more_when_skewed():
     uniform = np.zeros((2, 8, 4), np.float32) + np.eye(4, dtype=np.float32)[np.arange(8) % 4] * 1e-3
     assert route(uniform, 1, 8)[2]["aux"] == pytest.approx(1.0, abs=1e-3)
@@ -84,6 +124,12 @@ def run_on(mesh: str):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_losses_match_single_device(mesh):
     assert_curves_close(curve(run_on(mesh)), reference_curve(tuple(NO_DROPS), "moe"))
+
+
+def test_dropless_on_an_expert_parallel_mesh_equals_one_device():
+    assert_curves_close(
+        curve(cached_run("data=2,expert=4", tuple(DROPLESS), "moe")), reference_curve(tuple(DROPLESS), "moe")
+    )
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable
 
 import jax
@@ -276,6 +277,13 @@ def experts(run: Run, program: Program) -> None:
     assert program.kinds_touching("expert") == {"all-to-all", "all-reduce"}, program.report.format()
 
 
+def grouped_matmuls(run: Run, program: Program) -> None:
+    """Dropless experts run as grouped matmuls: the compiled program holds the ragged dot (libtpu's ragged-dot
+    fusions on TPU; `ragged_dot_general` on GPU), and no expert capacity buffer is exchanged by all-to-all."""
+    assert re.search(r"ragged[-_]dot", program.text), "no ragged dot in the compiled program"
+    assert not program.over(("expert",), "all-to-all"), program.report.format()
+
+
 def tables_stay_sharded(run: Run, program: Program) -> None:
     """The recommender's tables are never gathered or reduced: only ids, looked-up rows and the dense layers'
     gradients move. Every array a collective moves is smaller than one device's share of the tables, except the
@@ -354,6 +362,7 @@ CASES = [
     Case("diloco", "replica=2,data=4", local_updates, ("updates.policy=diloco",)),
     Case("stale", "data=8", data_parallel, ("updates.policy=stale",)),
     Case("moe", "data=2,expert=4", experts, ("capacity_factor=4",), model="moe", on=BOTH),
+    Case("moe-dropless", "data=2,expert=4", grouped_matmuls, ("routing=dropless",), model="moe", on=BOTH),
     Case("recsys", "data=2,tensor=4", tables_stay_sharded, ("batch_size=32", "vocab_size=2048"), model="recsys"),
     Case(
         "resnet",

@@ -57,11 +57,9 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path):
     """Kill -9 the train command at random moments, two of them while an asynchronous save is being written, and
     rerun the same command each time: every logged loss equals the uninterrupted run's, the final state is
     bit-equal, and each restart redoes at most one save interval (plus the steps that ran during the lost write)."""
-    reference = tmp_path / "reference"
-    done = subprocess.run(train_command(reference, reference / "m.jsonl"), capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    want = dict(logged_losses(reference / "m.jsonl"))
-    assert sorted(want) == list(range(1, STEPS + 1))
+    reference = tmp_path / "reference"  # the uninterrupted run, beside the killed ones: its own directory and lock
+    command, errors = train_command(reference, reference / "m.jsonl"), (tmp_path / "reference.err").open("w")
+    uninterrupted = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, cwd=ROOT)  # no pipe to fill
 
     directory, metrics = tmp_path / "killed", tmp_path / "killed.jsonl"
     command, rng = train_command(directory, metrics), random.Random(0)
@@ -91,6 +89,9 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path):
         redone.append((steps[-1] - newest(directory), saving(directory)))
     finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert finished.returncode == 0, finished.stderr
+    assert uninterrupted.wait() == 0, (tmp_path / "reference.err").read_text()
+    want = dict(logged_losses(reference / "m.jsonl"))
+    assert sorted(want) == list(range(1, STEPS + 1))
 
     got = logged_losses(metrics)
     assert [step for step, _ in got] == list(range(1, STEPS + 1))

@@ -89,7 +89,9 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path):
         redone.append((steps[-1] - newest(directory), saving(directory)))
     finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert finished.returncode == 0, finished.stderr
-    assert uninterrupted.wait() == 0, (tmp_path / "reference.err").read_text()
+    uninterrupted.wait()
+    errors.close()
+    assert uninterrupted.returncode == 0, (tmp_path / "reference.err").read_text()
     want = dict(logged_losses(reference / "m.jsonl"))
     assert sorted(want) == list(range(1, STEPS + 1))
 

@@ -233,7 +233,7 @@ def test_at_the_first_step_on_fresh_rollouts_the_ratio_is_1_and_the_kl_0():
     policy is the reference, and the KL is 0."""
     state, sampler, rollout = fresh_rollout()
     run = sampler.run
-    batch = ReferenceLogProbs(run, sampler.shardings).attach(state["params"], sampler.place(rollout.batch))
+    batch = ReferenceLogProbs(run, sampler.shardings, state, 0).attach(state["params"], sampler.place(rollout.batch))
     model = run.shardings.model
     trainer = np.asarray(
         jax.jit(lambda p, t: model.module(p).target_log_probs({"tokens": t}))(state["params"], batch["tokens"])
@@ -260,7 +260,8 @@ def test_one_device_equals_the_mesh_with_adapters():
         params = run.shardings.state_from_model_order(start)["params"]
         sampler = Rollouts(run, params, prompts(), resolve_rewards(first_byte_low), ByteTokenizer().decode)
         sampled.append(sampler(params, 0).batch)
-        batch = ReferenceLogProbs(run, sampler.shardings).attach(params, sampler.place(host))
+        reference = ReferenceLogProbs(run, sampler.shardings, {"params": params}, 0)  # adapters: params' own base
+        batch = reference.attach(params, sampler.place(host))
         (loss, metrics), grads = run.compiled_grad(params, batch)
         model = run.shardings.model
         grads = model.trainable(run.shardings.params_in_model_order(model.join(grads, model.split(params)[1])))

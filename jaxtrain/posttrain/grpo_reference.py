@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxtrain.posttrain.grpo import REFERENCE_KEY
 from jaxtrain.training.recovery import initial_state
@@ -28,12 +29,11 @@ class ReferenceLogProbs:
     """`reference.attach(params, batch) -> batch` with the reference's log-probs of the batch's tokens added, on the
     run's mesh; `params` the train state's (read only with adapters)."""
 
-    def __init__(self, run: Run, batch_shardings: dict[str, jax.sharding.Sharding]):
-        """`batch_shardings`: the train step's, of each array of a batch of rollouts (`rollouts.batch_shardings`)."""
+    def __init__(self, run: Run, batch_shardings: dict[str, jax.sharding.Sharding], state: PyTree, step: int):
+        """`batch_shardings`: the train step's, of each array of a batch of rollouts (`rollouts.batch_shardings`);
+        `state`: the train state at `step`, where the run starts or resumes."""
         shardings, model = run.shardings, run.shardings.model
-        # The starting weights, made again as the run made them: nothing of them is kept from the train state, whose
-        # params each step donates.
-        self.frozen = None if model.freezes else initial_state(run, None, log=lambda *_: None)[0]["params"]
+        self.frozen = None if model.freezes else _starting_params(run, state, step)
 
         def log_probs(params: PyTree, tokens: jax.Array) -> jax.Array:
             module = model.reference_module(params) if model.freezes else model.module(params)
@@ -53,3 +53,11 @@ class ReferenceLogProbs:
         """`batch` (on the mesh) with its `reference_log_probs`."""
         reference = self.frozen if self.frozen is not None else params
         return {**batch, REFERENCE_KEY: self.compiled(reference, batch["tokens"])}
+
+
+def _starting_params(run: Run, state: PyTree, step: int) -> PyTree:
+    """The run's starting weights: a copy of `state`'s at step 0 (each step donates the state's own); a resumed run's
+    made again as the run made them (its seed's initialisation, or `checkpoint.restore`'s)."""
+    if step == 0:
+        return jax.tree.map(jnp.copy, state["params"])  # in the params' shardings, on the mesh
+    return initial_state(run, None, log=lambda *_: None)[0]["params"]

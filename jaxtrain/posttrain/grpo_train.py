@@ -97,7 +97,9 @@ def grpo_train(
         with open_checkpoints(cfg) or contextlib.nullcontext() as checkpoints:
             resumed = resume(run, checkpoints, log, settings=settings) if checkpoints else None
             state, progress = (resumed.state, resumed.progress) if resumed else initial_state(run, None, log)
-            reference = ReferenceLogProbs(run, batch_shardings(run)) if cfg.grpo.beta else None
+            reference = None
+            if cfg.grpo.beta:
+                reference = ReferenceLogProbs(run, batch_shardings(run), state, progress.step)
             scorer = HeldOutScore(run, state["params"], held_out, rewards, tokenizer.decode) if held_out else None
             sink = metrics_sink(cfg, lead, on_metrics, progress, log)
             # Ray's workers start first: Ray sets a SIGTERM handler of its own, which stop_signals replaces

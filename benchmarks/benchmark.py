@@ -28,6 +28,9 @@ Sections:
   adapters   full fine-tuning vs LoRA vs QLoRA (int8 base): a 1B-shape Llama's compiled train step on v5p:2x2x2 and
              h100:8 (AOT, fsdp=8): bytes per device of the state, base weights, optimizer state and temporaries; and
              step time on CPU at the benchmark GPT's shape, alternated
+  precision  bf16 vs int8 vs fp8 matmuls and FSDP's gather in 8 bits: per-device arguments, temporaries and all-gather
+             bytes of a 1B-shape Llama compiled for v5p:2x2x2 and h100:8 (fsdp=8), the dots' operand types; validation
+             loss and step time of llama-tiny after --precision-steps on one CPU device (benchmarks/precision.py)
   async      the Ray engine, 4 workers with one slowed 3x by waiting: samples/s of async vs sync updates (target >= 1.5)
              and validation loss vs wall time of both, on tinyshakespeare (else the built-in text); --async-plot PNG
 """
@@ -1110,6 +1113,20 @@ def plot_async(runs: dict, out: Path) -> None:
     figure.savefig(out, dpi=100)
 
 
+def bench_precision(args, peak: float) -> dict:
+    """bf16 against int8 and fp8 matmuls (and FSDP's gather in 8 bits): per-device bytes of Llama 3.2 1B's shapes
+    compiled for v5p:2x2x2 and h100:8, and validation loss and step time after N steps here (benchmarks/precision.py,
+    which also runs alone and draws the curves)."""
+    import types
+
+    import precision
+
+    options = types.SimpleNamespace(
+        steps=args.precision_steps, eval_every=max(args.precision_steps // 10, 1), layers=2, batch=16
+    )
+    return {"curves": precision.curves(options), "compiled": precision.compiled_modes(options)}
+
+
 SECTIONS = {
     "meshes": bench_meshes,
     "variants": bench_variants,
@@ -1126,6 +1143,7 @@ SECTIONS = {
     "async": bench_async,
     "adapters": bench_adapters,
     "small": bench_small,
+    "precision": bench_precision,
 }
 
 
@@ -1204,6 +1222,7 @@ def main() -> None:
     parser.add_argument("--async-samples", type=int, default=1536, help="async section: samples trained per run")
     parser.add_argument("--async-rounds", type=int, default=2, help="async section: runs of each mode, alternated")
     parser.add_argument("--async-plot", default=None, help="async section: draw val loss vs wall time in this PNG")
+    parser.add_argument("--precision-steps", type=int, default=500, help="precision section: steps per curve")
     parser.add_argument("--markdown", default=None, help="also write the meshes, small and maxtext tables to this file")
     args = parser.parse_args()
 

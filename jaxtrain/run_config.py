@@ -85,6 +85,12 @@ class OptimizerConfig(Settings):
         below=1,
     )
     clip_norm: float = setting(1.0, "global-norm gradient clipping; <= 0: none")
+    offload: str = setting(
+        "none",
+        "state: keep the optimizer state in host memory (pinned_host) between steps; the update moves it to the "
+        "device and back, trading a host transfer each way per step for its device memory (docs/memory.md)",
+        choices=("none", "state"),
+    )
     adafactor_factored: bool = setting(True, "factor the second moment of matrices into row and column statistics")
     adafactor_min_dim_size_to_factor: int = setting(
         128, "factor only where the two largest dims are at least this long", at_least=1
@@ -303,6 +309,53 @@ class LoraConfig(Settings):
 
 
 @dataclasses.dataclass(frozen=True)
+class PrecisionConfig(Settings):
+    """Low-precision weight matmuls (jaxtrain/placement/precision.py): `matmuls` int8 or fp8 quantizes both operands
+    of each chosen weight's matmul (qwix's quantized training), forward and, by default, backward; `gather` moves
+    FSDP's weight all-gather in 8 bits, with any matmul precision."""
+
+    section: ClassVar[str] = "precision"
+
+    matmuls: str = setting(
+        "none",
+        "the chosen weights' matmuls: none (the compute dtype), int8, or fp8 (e4m3 forward, e5m2 gradients)",
+        choices=("none", "int8", "fp8"),
+    )
+    targets: str = setting(
+        "attention,mlp",
+        "comma-separated: attention, mlp, weight names (w_q) or paths (blocks/w_q) as the parameter table shows them; "
+        "the output head, embeddings and norms stay in high precision unless named",
+    )
+    scales: str = setting(
+        "channel",
+        "one scale per output channel (and per token for activations), or one per tensor",
+        choices=("channel", "tensor"),
+    )
+    backward: str = setting(
+        "quantized",
+        "the gradient matmuls: quantized (int8 for int8; e5m2 gradients for fp8) or high (the compute dtype)",
+        choices=("quantized", "high"),
+    )
+    gather: str = setting(
+        "none",
+        "how FSDP gathers the chosen weights: none (in the compute dtype) or 8bit (int8 codes and their scales, "
+        "dequantized after the gather; with matmuls=fp8, e4m3 codes)",
+        choices=("none", "8bit"),
+    )
+
+    @property
+    def active(self) -> bool:
+        return self.matmuls != "none" or self.gather != "none"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.active:
+            self.refuse_when_off(
+                "matmuls", True, "changes no matmul", "set precision.matmuls=int8|fp8 or precision.gather=8bit"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class PreferenceConfig(Settings):
     """Preference optimisation on pairs of replies (`jaxtrain.posttrain.preference`, data: `jaxtrain.data.pairs`):
     `loss` dpo (against a reference: the starting model, or with adapters the base) or simpo (reference-free); none
@@ -460,6 +513,7 @@ class RunConfig:
     tracking: TrackingConfig = TrackingConfig()
     engine: EngineConfig = EngineConfig()
     lora: LoraConfig = LoraConfig()
+    precision: PrecisionConfig = PrecisionConfig()
     preference: PreferenceConfig = PreferenceConfig()
     grpo: GrpoConfig = GrpoConfig()
 
@@ -476,6 +530,7 @@ SECTIONS = (
     "tracking",
     "engine",
     "lora",
+    "precision",
     "preference",
     "grpo",
 )

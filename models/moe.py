@@ -2,7 +2,9 @@
 which a learned router picks `top_k` per token.
 
 Routing (`routing=capacity`, the default) is GShard/Switch style, with a fixed capacity so every array has a static
-shape; `routing=dropless` sends every token to its experts through a grouped matmul instead (`grouped_experts`).
+shape; `routing=dropless` sends every token to its experts through grouped matmuls instead
+(`jaxtrain.ops.expert_dispatch`: where the mesh splits the experts, the tokens travel to them and back by
+all-to-all over the expert axis, by `expert_exchange`).
 Tokens are routed in groups, one group per sequence: each expert takes at most
 `capacity = ceil(capacity_factor * top_k * seq / n_experts)` tokens of a group, in sequence order (a token's choices
 best first); the rest are dropped (they pass by on the residual path). Slots go in sequence order so that routing is
@@ -42,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.ops.expert_dispatch import EXCHANGES, dropless_experts
 from jaxtrain.ops.projection import project
 from jaxtrain.ops.sequence import next_tokens
 from jaxtrain.settings import setting
@@ -63,6 +66,13 @@ class MoEConfig(GPTConfig):
         "capacity: each expert takes at most capacity_factor x its fair share of a sequence, the rest dropped; "
         "dropless: every token reaches its top_k experts (grouped matmuls, jax.lax.ragged_dot)",
         choices=ROUTINGS,
+    )
+    expert_exchange: str = setting(
+        "auto",
+        "how dropless routing sends tokens to experts split over devices: ragged (only the tokens routed, "
+        "jax.lax.ragged_all_to_all; TPU, GPU), padded (buffers sized for the worst case; any backend), auto (ragged, "
+        "padded on CPU)",
+        choices=EXCHANGES,
     )
     # Slots per expert over its fair share; n_experts / top_k never drops a token.
     capacity_factor: float = setting(1.25, "slots per expert over its fair share (routing=capacity)")
@@ -163,22 +173,6 @@ def route(logits: jax.Array, k: int, capacity: int) -> tuple[jax.Array, jax.Arra
     return dispatch, combine, stats
 
 
-def grouped_experts(x: jax.Array, gates: jax.Array, choice: jax.Array, w_in: jax.Array, w_down: jax.Array) -> jax.Array:
-    """Dropless experts: every token (G, S, D) through each of its K chosen experts (`choice`, G, S, K), weighted by
-    its `gates`, with the token-choices sorted by expert and each expert's rows one matmul of a grouped matmul
-    (`jax.lax.ragged_dot`: one call for all experts, no capacity, no padding)."""
-    groups, size, d = x.shape
-    k, experts = choice.shape[-1], w_in.shape[0]
-    flat = choice.reshape(-1)  # (G S K,): token-choices in token order
-    order = jnp.argsort(flat, stable=True)  # grouped by expert
-    sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
-    rows = x.reshape(groups * size, d)[order // k]  # (G S K, D)
-    hidden = jax.nn.gelu(jax.lax.ragged_dot(rows, w_in, sizes))  # (G S K, F)
-    out = jax.lax.ragged_dot(hidden, w_down, sizes)  # (G S K, D), in the experts' order
-    out = jnp.zeros_like(out).at[order].set(out).reshape(groups, size, k, d)  # back in token order
-    return jnp.einsum("gskd,gsk->gsd", out, gates.astype(x.dtype))
-
-
 class MoEBlock(Block):
     """GPT's block (its attention, norms and their weights) with a router and one MLP per expert."""
 
@@ -213,12 +207,12 @@ class MoEBlock(Block):
         return jnp.einsum("egcd,gsec->gsd", out, combine.astype(dtype)), stats
 
     def dropless(self, x: jax.Array, logits: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Every token through its top-k experts (`grouped_experts`); nothing dropped. The tokens are sorted across
-        the whole batch, which XLA partitions without an all-to-all over the expert axis (docs/parallelism.md)."""
+        """Every token through its top-k experts by grouped matmuls (`jaxtrain.ops.expert_dispatch`); nothing
+        dropped. Where the mesh splits the experts, the tokens reach them by all-to-all over the expert axis."""
         k = self.cfg.top_k
         probs, gates, choice = choose(logits, k)
         routed = jnp.sum(jax.nn.one_hot(choice, self.cfg.n_experts, dtype=jnp.float32), axis=(0, 1, 2))
-        y = grouped_experts(x, gates, choice, self.w_in[...], self.w_down[...])
+        y = dropless_experts(x, gates, choice, self.w_in[...], self.w_down[...], exchange=self.cfg.expert_exchange)
         return y, {"aux": balance_loss(probs, routed, k), "load": routed, "dropped": jnp.zeros((), jnp.float32)}
 
 

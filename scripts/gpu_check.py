@@ -34,6 +34,12 @@ VARIANTS = {
     "b8-s2048": ["batch_size=8", "seq_len=2048", "remat=save_dots"],
     "b16-s2048-full": ["batch_size=16", "seq_len=2048", "remat=full"],
     "b4-s8192": ["batch_size=4", "seq_len=8192", "remat=save_dots"],
+    # Issue 43's checks on a real chip (compile-only GPUs list no host memory, so the state's offload could only be
+    # compiled for TPU there): 8-bit matmuls' speed against b8-s2048, and the two host offloads' device memory.
+    "b8-s2048-int8": ["batch_size=8", "seq_len=2048", "remat=save_dots", "precision.matmuls=int8"],
+    "b8-s2048-fp8": ["batch_size=8", "seq_len=2048", "remat=save_dots", "precision.matmuls=fp8"],
+    "b8-s2048-offload-state": ["batch_size=8", "seq_len=2048", "remat=save_dots", "optimizer.offload=state"],
+    "b8-s2048-remat-offload": ["batch_size=8", "seq_len=2048", "remat=offload"],
 }
 
 

@@ -52,6 +52,7 @@ MODEL_IMPORTS = {
     "jaxtrain.ops.attention",
     "jaxtrain.ops.cross_entropy",
     "jaxtrain.ops.embedding",
+    "jaxtrain.ops.expert_dispatch",
     "jaxtrain.ops.plain",
     "jaxtrain.ops.projection",
     "jaxtrain.ops.sequence",

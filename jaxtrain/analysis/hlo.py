@@ -52,12 +52,18 @@ DTYPE_BYTES = {
     "f64": 8,
     "c64": 8,
     "c128": 16,
+    # 8-bit floats (FP8 training: jaxtrain.ops.quantized_matmul)
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "f8e4m3b11fnuz": 1,
 }
 _HEADER = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = ")
 _OPCODE = re.compile(r"([a-z][\w-]*)\(")
 _NAME = re.compile(r"%([^\s,(){}]+)")
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")  # an element type, e.g. f32 or f8e4m3fn, and its dims
 _CALLS = "body|condition|to_apply|calls|branch_computations|true_computation|false_computation"
 _CALLED = re.compile(rf"\b(?:{_CALLS})=(\{{[^}}]*\}}|%[^\s,}}]+)")
 _TRIP_COUNT = re.compile(r'known_trip_count":\{"n":"(\d+)"')

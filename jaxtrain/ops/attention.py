@@ -49,7 +49,7 @@ from jaxtrain.ops.blockwise import (
 from jaxtrain.ops.context_attention import CONTEXT_PARALLEL as CONTEXT_PARALLEL  # the model's choices, from here
 from jaxtrain.ops.context_attention import context_attention, sequence_axes
 from jaxtrain.ops.plain import KERNELS
-from jaxtrain.sharding.constraints import active_mesh, per_device
+from jaxtrain.sharding.constraints import active_platform, per_device
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash", "chunked")
 # From this sequence length on, `auto` picks `chunked` over `reference` on CPU: below it the faster of the two
@@ -93,7 +93,7 @@ def attention(
         return context_attention(
             q, k, v, segment_ids, sliding_window, algorithm=context_parallel, implementation=implementation
         )
-    platform = "tpu" if interpret else _platform()
+    platform = "tpu" if interpret else active_platform()
     chosen = resolve_implementation(implementation, platform, q.shape[1], q.dtype, packed=segment_ids is not None)
     needs = _KERNEL_PLATFORM.get(chosen, platform)
     if needs != platform:
@@ -225,15 +225,6 @@ def _check_heads(heads: int, groups: int) -> None:
             f"{groups} kv heads do not divide {heads} query heads: grouped-query attention needs n_kv_heads to "
             f"divide n_heads (e.g. {', '.join(str(g) for g in range(1, heads + 1) if heads % g == 0)})."
         )
-
-
-def _platform() -> str:
-    """The platform the program is being built for: the active mesh's devices (maybe compile-only), else JAX's.
-    The planner traces on an abstract mesh, which has no devices: there JAX's backend (where the plan is made)."""
-    mesh = active_mesh()
-    concrete = isinstance(mesh, jax.sharding.Mesh)
-    platform = mesh.devices.flat[0].platform if concrete else jax.default_backend()
-    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def _reference(q, k, v, segment_ids, window) -> jax.Array:

@@ -46,13 +46,20 @@ SAVEABLE = "projection"  # the name `project` gives its output, for `jax.checkpo
 
 # What the backward pass of a block recomputes (`jax.checkpoint`'s policies), by name: none (keep every residual),
 # full (recompute the block), save_dots (keep matmul outputs: a policy of dots alone sees `project`'s custom VJP call,
-# not the dot inside it, so `project`'s named output is kept too).
+# not the dot inside it, so `project`'s named output is kept too), offload (keep `project`'s outputs in host memory,
+# copied out in the forward pass and back in the backward: save_dots's recompute, with their device memory freed).
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(SAVEABLE),
+    ),
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[SAVEABLE],
+        offload_src="device",
+        offload_dst="pinned_host",
     ),
 }
 

@@ -225,18 +225,34 @@ def apply_update(
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     params, opt_state = state["params"], state["opt_state"]
 
+    # Each branch brings an optimizer state kept in host memory into device memory itself, so that the copies wait
+    # for the gradient: copied in before the cond, XLA:TPU starts them during the forward pass and the state takes
+    # device memory beside the activations (llama-1b on v5p:2x2x2, fsdp=8: 1.4 GiB more temporaries).
     def update():
-        updates, new_opt_state = optimizer.update(grads if applied is None else applied, opt_state, params)
+        gradient = grads if applied is None else applied
+        updates, new_opt_state = optimizer.update(gradient, in_device_memory(opt_state), params)
         if update_scale is not None:
             updates = jax.tree.map(lambda u: u * update_scale.astype(u.dtype), updates)
         return optax.apply_updates(params, updates), new_opt_state
 
+    def skip():
+        return params, in_device_memory(opt_state)
+
     # A cond rather than a select per array: the skipped branch costs nothing and the taken one no extra pass.
-    params, opt_state = jax.lax.cond(finite if ready is None else finite & ready, update, lambda: (params, opt_state))
+    params, opt_state = jax.lax.cond(finite if ready is None else finite & ready, update, skip)
     new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}
     learning_rate, nonfinite = schedule(state["step"]), (~finite).astype(jnp.int32)
     metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "nonfinite": nonfinite}
     return new_state, metrics, finite
+
+
+def in_device_memory(tree: PyTree) -> PyTree:
+    """`tree` in device memory, where the update computes: an optimizer state kept in host memory between steps
+    (`optimizer.offload=state`) is copied in, and the compiled step's output shardings send the new one back. A tree
+    already in device memory is returned as it is."""
+    if all(jax.typeof(x).memory_space != jax.memory.Space.Host for x in jax.tree.leaves(tree)):
+        return tree
+    return jax.device_put(tree, jax.memory.Space.Device)
 
 
 def eval_step(params: PyTree, batch: dict[str, jax.Array], *, loss_fn: LossFn) -> dict[str, jax.Array]:

@@ -30,10 +30,17 @@ class ModelParts:
     # What the run trains the model for, in place of its own `loss`: (module, reference module or None, batch) ->
     # (loss, metrics), e.g. a preference loss (`jaxtrain.posttrain.preference`). None: the model's loss.
     objective: Objective | None = None
+    # Low-precision matmuls on chosen weights (`jaxtrain.placement.precision.Precision`); None: as the model has them.
+    precision: Any = None
 
     def module(self, params: PyTree) -> nnx.Module:
         """The model with `params` (e.g. to call it for logits, or to generate)."""
-        return nnx.merge(self.graphdef, params)
+        return nnx.merge(self.graphdef, self.reading(params))
+
+    def reading(self, params: PyTree) -> PyTree:
+        """`params` as the model reads them: with low-precision matmuls, each chosen weight stands in a
+        `jaxtrain.placement.precision.LowPrecision`."""
+        return params if self.precision is None else self.precision.reading(params)
 
     def reference_module(self, params: PyTree) -> nnx.Module | None:
         """The frozen model an objective compares the trained one with, from the same `params`: a model with

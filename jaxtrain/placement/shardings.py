@@ -16,11 +16,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.analysis.memory import device_bytes, total_bytes, tree_device_bytes
 from jaxtrain.formatting import fmt_bytes, format_table
 from jaxtrain.parallel.pipeline import StageLayout
+from jaxtrain.parallel.step import in_device_memory
 from jaxtrain.parallel.updates import UpdatePolicy
 from jaxtrain.placement.model import ModelParts, PlacementError, path_str
 from jaxtrain.sharding.constraints import activation_sharding
@@ -28,6 +29,7 @@ from jaxtrain.sharding.param_state import kept_dims, map_like_params, shardings_
 from jaxtrain.sharding.rules import ShardingRules, is_layer_stack, is_logical_names, logical_to_spec, spec_axes
 
 PyTree = Any
+HOST_MEMORY = "pinned_host"  # the memory kind of arrays kept in host memory: page-locked, for the device to read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,19 @@ class Shardings:
     @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
+
+    def with_offload(self, offload: str) -> Shardings:
+        """These shardings with the optimizer state in host memory where `offload` is "state" (`optimizer.offload`):
+        it lives there between steps, the update core (`jaxtrain.parallel.step.apply_update`) brings it to the device
+        and the compiled step's output shardings send it back. "none": these shardings."""
+        if offload == "none":
+            return self
+        _check_host_memory(self.mesh, offload)
+        opt_state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind(HOST_MEMORY)),
+            self.abstract_state["opt_state"],
+        )
+        return dataclasses.replace(self, abstract_state={**self.abstract_state, "opt_state": opt_state})
 
     def param_bytes(self) -> int:
         """Bytes of one full copy of the parameters that train (what a gradient all-reduce moves)."""
@@ -189,7 +204,9 @@ class Shardings:
             return convert(x) if is_layer_stack(names) and _leads_with_layers(param.shape, x.shape) else x
 
         trained, names = self.model.trainable(params), self.model.trainable(self.model.logical_names)
-        opt_state = map_like_params(one, state["opt_state"], trained, names, other=lambda x: x)
+        # An optimizer state kept in host memory (`with_offload`) is reordered in device memory, whole (at checkpoints
+        # only); `state_from_model_order`'s output shardings put it back.
+        opt_state = map_like_params(one, in_device_memory(state["opt_state"]), trained, names, other=lambda x: x)
         return {**state, "params": self._stored(state["params"], direction), "opt_state": opt_state}
 
     def _stored(self, params: PyTree, direction: str) -> PyTree:
@@ -209,10 +226,11 @@ class Shardings:
         n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
         n_trained = sum(math.prod(p.shape) for p in jax.tree.leaves(self.model.trainable(params)))
         trained = f", {n_trained:,} of them trained ({n_trained / n_params:.2%})" if n_trained != n_params else ""
+        on_host = any(x.sharding.memory_kind == HOST_MEMORY for x in jax.tree.leaves(opt))
         return (
             f"params: {n_params:,}{trained} ({fmt_bytes(total_bytes(params))} total, "
             f"{fmt_bytes(tree_device_bytes(params))}/device); optimizer state: {fmt_bytes(total_bytes(opt))} total, "
-            f"{fmt_bytes(tree_device_bytes(opt))}/device"
+            f"{fmt_bytes(tree_device_bytes(opt))}/device" + (" in host memory" if on_host else "")
         )
 
     def table(self) -> str:
@@ -296,6 +314,23 @@ def make_shardings(
         {**state_shardings, **extra_shardings},
     )
     return Shardings(mesh, rules, model, param_specs, abstract_state, layout, state_optimizer, policy)
+
+
+def _check_host_memory(mesh: Mesh | AbstractMesh, offload: str) -> None:
+    """Refuse `optimizer.offload=offload` on devices that list no host memory: JAX would drop the memory kind from
+    their shardings and keep the state on the device without a word (the CUDA plugin's compile-only GPUs list no
+    memories). An abstract mesh (planning) has no devices to ask: the chips planned for (TPU, GPU) all have it."""
+    if isinstance(mesh, AbstractMesh):
+        return
+    device = mesh.devices.flat[0]
+    kinds = [m.kind for m in device.addressable_memories()]
+    if HOST_MEMORY not in kinds:
+        raise PlacementError(
+            f"optimizer.offload={offload} keeps the optimizer state in host memory ({HOST_MEMORY}), which these "
+            f"{device.platform} devices ({device.device_kind}) do not have (their memories: "
+            f"{', '.join(kinds) or 'none listed'}): set optimizer.offload=none, and shrink the state per device by "
+            "sharding it over more devices (fsdp) or with optimizer.name=adafactor."
+        )
 
 
 def _policy_state(

@@ -20,7 +20,7 @@ devices a run is checked on), `measure` (the compiled check), `report` (the text
 
 from jaxtrain.planner.estimate import USABLE_HBM, Estimate, Memory, estimate, fits_with
 from jaxtrain.planner.hardware import target_for
-from jaxtrain.planner.measure import CompilerRefused, Measured, measure
+from jaxtrain.planner.measure import CompilerRefused, Measured, measure, measure_run
 from jaxtrain.planner.report import format_estimate, plan_report
 from jaxtrain.planner.transfers import Transfer, comm_by_axes
 
@@ -36,6 +36,7 @@ __all__ = [
     "fits_with",
     "format_estimate",
     "measure",
+    "measure_run",
     "plan_report",
     "target_for",
 ]

@@ -11,6 +11,9 @@ How each figure is found (all per device):
 - state: the plan's shardings on an abstract mesh (`jaxtrain.sharding.mesh.abstract_mesh`), exact; on TPU as it
   stores arrays, in tiles (`jaxtrain.planner.tiling`).
 - gradients: one params-sized tree, sharded like the params; two under gradient accumulation (sum and newest).
+- host memory: the optimizer state where `optimizer.offload=state` keeps it there (the update copies it back in,
+  after the backward pass: the peak is then at least the arguments, gradients and that state), and the residuals a
+  remat policy offloads (`remat=offload`), which are not in the device's activations.
 - activations: what `jax.vjp` keeps for the backward pass of the loss on one device's rows (one microbatch), so the
   model's own remat policy decides, less what the compiler recomputes instead (`jaxtrain.planner.residuals`); plus
   a working set: the same count for the largest loop body or remat region (what the backward recomputes, and
@@ -46,7 +49,8 @@ from jaxtrain.errors import UserInputError
 from jaxtrain.ops.plain import plain_kernels
 from jaxtrain.parallel.pipeline import PipelineError, StageLayout
 from jaxtrain.placement.place import place_model
-from jaxtrain.placement.shardings import Shardings
+from jaxtrain.placement.precision import with_precision
+from jaxtrain.placement.shardings import HOST_MEMORY, Shardings
 from jaxtrain.planner.context import context_attention_bytes
 from jaxtrain.planner.loss import ChunkedLoss, chunked_loss
 from jaxtrain.planner.stages import (
@@ -66,7 +70,7 @@ from jaxtrain.run_config import RunConfig, apply_overrides
 from jaxtrain.sharding.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
 from jaxtrain.sharding.rules import is_logical_names
 from jaxtrain.training.optim import make_optimizer
-from jaxtrain.training.setup import update_policy, with_data_vocab
+from jaxtrain.training.setup import update_policy, with_data_vocab, with_offload
 
 # The compilers an estimate can follow: XLA for TPU and for GPU (what the chips run), and XLA:CPU (simulated devices,
 # to check an estimate on this machine: it stores arrays untiled and casts no weights before gathering them).
@@ -86,16 +90,27 @@ class Memory:
     grads: float
     activations: float  # saved by the forward pass for the backward pass
     working: float  # the largest layer's (or remat region's) transient buffers and gathered weights
+    # In host memory (`optimizer.offload=state`, `remat=offload`): not part of the device's peak, but the state is
+    # copied back for the update.
+    host_opt_state: float = 0.0
+    host_activations: float = 0.0
 
     @property
     def arguments(self) -> float:
-        """What the compiled step takes as arguments: the state and the batch."""
+        """What the compiled step takes as arguments in device memory: the state and the batch."""
         return self.params + self.opt_state + self.other_state + self.batch
 
     @property
     def peak(self) -> float:
-        """Arguments, gradients, saved activations and the working set, all live at once."""
-        return self.arguments + self.grads + self.activations + self.working
+        """Arguments, gradients, saved activations and the working set, all live at once; or, where the optimizer
+        state is kept in host memory and larger than those activations and working set, that state copied in for
+        the update, once the backward pass has freed them."""
+        return self.arguments + self.grads + max(self.activations + self.working, self.host_opt_state)
+
+    @property
+    def host(self) -> float:
+        """Bytes one device keeps in host memory."""
+        return self.host_opt_state + self.host_activations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,9 +204,11 @@ def estimate(
     torus = _torus_axes(chip, layout, devices) if compiler == "tpu" else frozenset()
     if stages is not None:
         shardings = _abstract_shardings(cfg, layout, devices, stages.layout)  # the params as the stages store them
-        work = _pipelined(shardings, step, stages, accum, compiler, torus)
+        work = _pipelined(
+            shardings, step, stages, accum, compiler, torus, eight_bit_itemsizes(shardings, cfg, compiler)
+        )
     else:
-        work = _unpipelined(shardings, step, accum, torus, compiler)
+        work = _unpipelined(shardings, step, accum, torus, compiler, eight_bit_itemsizes(shardings, cfg, compiler))
     memory = _memory(shardings, batch, step, work, accum)
     transfers = [*work.transfers, *context_attention_bytes(cfg, shardings)]
     model_flops, traced = _model_flops(cfg, task, step, devices)
@@ -224,27 +241,40 @@ class _Work:
     working: float
 
 
-def _unpipelined(shardings: Shardings, step: StepTrace, accum: int, torus: frozenset[str], compiler: str) -> _Work:
+def _unpipelined(
+    shardings: Shardings, step: StepTrace, accum: int, torus: frozenset[str], compiler: str, itemsizes: tuple
+) -> _Work:
     """The traced microbatch `accum` times over, its weights travelling as `Runs.unpipelined` says."""
     tally = (step.gradient["layers"] + step.gradient["rest"]) * accum
-    weights = _weight_transfers(shardings, step, Runs.unpipelined(accum), compiler, torus)
+    weights = _weight_transfers(shardings, step, Runs.unpipelined(accum), compiler, torus, itemsizes)
     return _Work(
         tally.flops, tally.matmul_bytes, [*weights, *tally.transfers], step.saved_bytes(), step.working_bytes()
     )
 
 
 def _pipelined(
-    shardings: Shardings, step: StepTrace, stages: Stages, accum: int, compiler: str, torus: frozenset[str]
+    shardings: Shardings,
+    step: StepTrace,
+    stages: Stages,
+    accum: int,
+    compiler: str,
+    torus: frozenset[str],
+    itemsizes: tuple,
 ) -> _Work:
     """The traced pipeline microbatch through the schedule's ticks (`jaxtrain.planner.stages`), `accum` times."""
     tally = pipelined_work(step, stages) * accum
-    weights = _weight_transfers(shardings, step, stages.weight_runs(accum), compiler, torus)
+    weights = _weight_transfers(shardings, step, stages.weight_runs(accum), compiler, torus, itemsizes)
     transfers = [*weights, *tally.transfers, *stage_transfers(step, shardings, stages, accum)]
     return _Work(tally.flops, tally.matmul_bytes, transfers, *pipelined_memory(step, stages, compiler))
 
 
 def _weight_transfers(
-    shardings: Shardings, step: StepTrace, runs: Runs, compiler: str, torus: frozenset[str]
+    shardings: Shardings,
+    step: StepTrace,
+    runs: Runs,
+    compiler: str,
+    torus: frozenset[str],
+    itemsizes: tuple[dict[int, int], dict[int, int]] = ({}, {}),
 ) -> list[Transfer]:
     """The weights' gathers and gradient reductions (`jaxtrain.planner.weights`) as the traced step uses them."""
     return weight_transfers(
@@ -254,7 +284,28 @@ def _weight_transfers(
         whole_torus=torus,
         reduced_as=_heads(shardings, step),
         compiler=compiler,
+        gathered_itemsize=itemsizes[0],
+        reduced_itemsize=itemsizes[1],
     )
+
+
+def eight_bit_itemsizes(shardings: Shardings, cfg: RunConfig, compiler: str) -> tuple[dict[int, int], dict[int, int]]:
+    """Per param index, the bytes per element of FSDP's gather and of the gradient's reduction where
+    `precision.*` makes them other than the dtype the weight is used in (`jaxtrain.placement.precision`): the
+    chosen weights cross as 8-bit codes with 8-bit matmuls (both compilers quantize a weight's shard before
+    gathering it) or `precision.gather=8bit`; with int8 matmuls and their backward, XLA:GPU reduce-scatters the
+    weight gradient's int32 partial sums before scaling them (measured: docs/precision.md). The model is traced
+    without them: the compilers quantize inside the dots' operand fusions, so the plain model's memory stands."""
+    precision = with_precision(shardings.model, cfg, shardings.mesh).precision
+    if precision is None:
+        return {}, {}
+    flat = jax.tree_util.tree_flatten_with_path(shardings.abstract_state["params"])[0]
+    paths = [tuple(getattr(k, "key", k) for k in path) for path, _ in flat]
+    targets = set(precision.targets)
+    chosen = [i for i, path in enumerate(paths) if path in targets or (path[-1] == "base" and path[:-1] in targets)]
+    r = precision.recipe
+    int32_sums = compiler == "gpu" and r.matmuls == "int8" and r.backward == "quantized"
+    return {i: 1 for i in chosen}, ({i: 4 for i in chosen} if int32_sums else {})
 
 
 def _check_microbatches(shapes: Mapping[str, jax.ShapeDtypeStruct], accum: int, micro: int) -> None:
@@ -275,7 +326,8 @@ def _abstract_shardings(
     model = _traceable(plain_kernels(cfg.model))
     placed = place_model(cfg.model_name, model, layout, cfg.rules, mesh=abstract_mesh(layout, devices))
     optimizer, _ = make_optimizer(cfg.optimizer, cfg.train.steps, placed.model.logical_names)
-    return placed.shardings(optimizer, stages, update_policy(cfg, placed.mesh))
+    policy = update_policy(cfg, placed.mesh)
+    return with_offload(cfg, placed.shardings(optimizer, stages, policy), policy)
 
 
 def _traceable(model_config: object) -> object:
@@ -354,12 +406,15 @@ def _memory(shardings: Shardings, batch: object, step: StepTrace, work: _Work, a
         grads=params * (2 if accum > 1 else 1),
         activations=work.activations,
         working=work.working + gathered_layer_bytes(shardings, step.used, {**step.use_itemsize, **step.multiplied}),
+        host_opt_state=_held(state["opt_state"], tiled, on_host=True),
+        host_activations=step.host_saved_bytes(),  # one microbatch's: the next one's replace them
     )
 
 
-def _held(tree: object, tiled: bool) -> float:
-    """Bytes one device holds of the arrays of `tree` (as XLA:TPU stores them where `tiled`)."""
-    leaves = jax.tree.leaves(tree)
+def _held(tree: object, tiled: bool, on_host: bool = False) -> float:
+    """Bytes one device holds of the arrays of `tree` (as XLA:TPU stores them where `tiled`) in device memory, or
+    `on_host`, in host memory."""
+    leaves = [x for x in jax.tree.leaves(tree) if (x.sharding.memory_kind == HOST_MEMORY) == on_host]
     return sum(held_bytes(x.sharding.shard_shape(x.shape), np.dtype(x.dtype).itemsize, tiled) for x in leaves)
 
 

@@ -46,6 +46,10 @@ class Measured:
     comm: Mapping[tuple[str, ...], float]
     compile_s: float
     cached: bool  # read back from JAX's persistent compilation cache, not compiled
+    # In host memory, apart from the figures above (TPU and GPU; on CPU the two memories are one and count there):
+    # arguments (an offloaded optimizer state) and temporaries (offloaded activations).
+    host_arguments: float = 0.0
+    host_temporaries: float = 0.0
 
     @property
     def peak(self) -> float:
@@ -59,7 +63,11 @@ def measure(cfg: RunConfig, devices: Sequence[jax.Device]) -> Measured:
     communication. Raises CompilerRefused when the compiler refuses it for the devices' memory."""
     from jaxtrain.training.setup import build  # the runtime, only when a check is asked for
 
-    run = build(cfg, log=lambda *_: None, devices=devices)
+    return measure_run(build(cfg, log=lambda *_: None, devices=devices))
+
+
+def measure_run(run: Run) -> Measured:
+    """`measure` of a run already built: compiles its train step (kept on the run) and reads it."""
     seconds, cached = compile_train_step(run)
     compiled = run.train_step
     m = compiled.memory_analysis()
@@ -67,7 +75,7 @@ def measure(cfg: RunConfig, devices: Sequence[jax.Device]) -> Measured:
     for row in communication_report(compiled, run.shardings.mesh).rows:
         comm[row.axes] += row.mean
     return Measured(
-        devices[0].platform,
+        run.shardings.mesh.devices.flat[0].platform,
         arguments=m.argument_size_in_bytes,
         outputs=m.output_size_in_bytes,
         aliased=m.alias_size_in_bytes,
@@ -76,6 +84,8 @@ def measure(cfg: RunConfig, devices: Sequence[jax.Device]) -> Measured:
         comm=dict(comm),
         compile_s=seconds,
         cached=cached,
+        host_arguments=getattr(m, "host_argument_size_in_bytes", 0),
+        host_temporaries=getattr(m, "host_temp_size_in_bytes", 0),
     )
 
 

@@ -107,6 +107,11 @@ def target_check(cfg: RunConfig, est: Estimate, target: Target) -> tuple[Measure
     ]
     if m.xla_peak:
         figures.append(("XLA's peak", m.xla_peak, "the compiler's own estimate"))
+    host = [
+        ("host args", m.host_arguments, "in host memory, apart from the above: the optimizer state offloaded"),
+        ("host temps", m.host_temporaries, "in host memory: activations offloaded, and the compiler's staging"),
+    ]
+    figures += [figure for figure in host if figure[1]]
     return m, [
         f"check: {_compiled(m, f'for {target.describe()}')} (figures beside the estimates)",
         f"  the {target.platform.upper()} compiler's memory per device",
@@ -222,6 +227,11 @@ def _memory_table(m: Memory, measured: Measured | None) -> list[str]:
     ]
     got = measured.peak if measured else None
     rows.append(("= peak", fmt_bytes(m.peak), fmt_bytes(got) if got else "", _ratio(m.peak, got)))
+    host = [
+        ("host memory: optimizer state", m.host_opt_state, measured and measured.host_arguments),
+        ("host memory: activations saved for backward", m.host_activations, measured and measured.host_temporaries),
+    ]
+    rows += [(label, fmt_bytes(b), fmt_bytes(got) if got else "", _ratio(b, got)) for label, b, got in host if b]
     return [line.rstrip() for line in format_table([r if measured else r[:2] for r in rows])]
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -37,6 +38,19 @@ from jaxtrain.sharding.rules import is_layer_stack, is_logical_names
 _COMBINING = {"dot_general", "gather"} | {f"reduce_{op}" for op in ("sum", "max", "min", "prod", "and", "or")}
 _REMAT = {"remat2", "checkpoint"}  # jax.checkpoint's primitive (named remat2 in jax 0.12)
 _MATMULS = ("dot_general", "conv_general_dilated")
+
+
+class Held(NamedTuple):
+    """Per-device bytes of the residuals a compiler holds for a backward pass, by where they are kept."""
+
+    layers: float  # stacked by a loop (the scanned layers), in device memory
+    rest: float  # other residuals in device memory
+    logits: float  # those with a dim of the vocabulary's size (where the model has one)
+    host: float  # in host memory: a remat policy that offloads (`remat=offload`) copies them out and back
+
+    @property
+    def on_device(self) -> float:
+        return self.layers + self.rest + self.logits
 
 
 @dataclasses.dataclass
@@ -116,17 +130,26 @@ class StepTrace:
             return jax.make_jaxpr(fn)(*(args or self.args))
 
     def saved_bytes(self) -> float:
-        """Residuals of the loss for one microbatch: what its forward pass keeps for the backward pass."""
+        """Residuals of the loss for one microbatch: what its forward pass keeps in device memory for the backward
+        pass."""
         return sum(self.saved_split())
 
     def saved_split(self) -> tuple[float, float]:
         """`saved_bytes` of the layer stack's loop, and of the rest; with a `chunked_loss`, what it keeps in place
         of the trace's whole logits and what the softmax keeps of them (the residuals outside loops with a dim of
         the vocabulary's size)."""
-        layers, rest, logits = self._residual_bytes(self.loss, self.args, self.param_specs)
+        held = self._saved
         if self.chunked_loss is None:
-            return layers, rest + logits
-        return layers, rest + self.chunked_loss.kept
+            return held.layers, held.rest + held.logits
+        return held.layers, held.rest + self.chunked_loss.kept
+
+    def host_saved_bytes(self) -> float:
+        """Residuals of the loss for one microbatch that its remat policy keeps in host memory (`remat=offload`)."""
+        return self._saved.host
+
+    @functools.cached_property
+    def _saved(self) -> Held:
+        return self._residual_bytes(self.loss, self.args, self.param_specs)
 
     def working_bytes(self) -> float:
         """What the backward pass of one layer holds (recomputed under remat) besides the saved residuals: the
@@ -135,36 +158,35 @@ class StepTrace:
         sizes = [0.0 if self.chunked_loss is None else self.chunked_loss.working]
         for body in _working_regions(self.loss_jaxpr):
             args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
-            sizes.append(sum(self._residual_bytes(jaxpr_as_fun(ClosedJaxpr(body, [])), args)))
+            sizes.append(self._residual_bytes(jaxpr_as_fun(ClosedJaxpr(body, [])), args).on_device)
         return max(sizes)
 
     def forward_flops(self) -> float:
         """Per-device FLOPs of the forward pass's matmuls and convolutions per step (all microbatches)."""
         return (self.forward["layers"].flops + self.forward["rest"].flops) * self.accum
 
-    def _residual_bytes(
-        self, fn: Any, args: Sequence[Any], param_specs: Sequence[Spec] = ()
-    ) -> tuple[float, float, float]:
+    def _residual_bytes(self, fn: Any, args: Sequence[Any], param_specs: Sequence[Spec] = ()) -> Held:
         """Per-device bytes of what `jax.vjp(fn, *args)` keeps for the backward pass that a compiler holds
-        (`jaxtrain.planner.residuals`), not counting its inputs: those a loop stacks, the others with a dim of the
-        vocabulary's size (where the model has one: logits), and the rest."""
+        (`jaxtrain.planner.residuals`), not counting its inputs, by where it is kept (`Held`)."""
         closed = self._trace(lambda *a: jax.vjp(fn, *a)[1], args)
         flow = Flow(self.shares, closed.jaxpr, param_specs)
         for _ in walk(closed.jaxpr, flow=flow):
             pass
         inputs = set(closed.jaxpr.invars)
         kept = dict.fromkeys(v for v in closed.jaxpr.outvars if not isinstance(v, Literal) and v not in inputs)
-        looped_bytes = rest = logits = 0.0
+        tally = dict.fromkeys(Held._fields, 0.0)
         vocab = self.chunked_loss.vocab if self.chunked_loss is not None else None
         for v, param, looped in held_residuals(closed.jaxpr, kept, flow):
             held = self.shares.held(v.aval, flow.of(v)) * (1.0 if param is None else self._gathered[param])
-            if looped:
-                looped_bytes += held
+            if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host:
+                tally["host"] += held
+            elif looped:
+                tally["layers"] += held
             elif vocab in getattr(v.aval, "shape", ()):
-                logits += held
+                tally["logits"] += held
             else:
-                rest += held
-        return looped_bytes, rest, logits
+                tally["rest"] += held
+        return Held(**tally)
 
     def weight_uses(
         self, compiler: str

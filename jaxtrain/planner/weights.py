@@ -94,6 +94,8 @@ def weight_transfers(
     whole_torus: Collection[str] = (),
     reduced_as: Mapping[int, tuple[str, int]] | None = None,
     compiler: str = "cpu",
+    gathered_itemsize: Mapping[int, int] | None = None,
+    reduced_itemsize: Mapping[int, int] | None = None,
 ) -> list[Transfer]:
     """FSDP gathers and the gradient reductions over the batch axes, as often as `runs` says, in the dtype each
     param is used in (`use_itemsize`, per param: TPU and GPU compilers cast a weight to the compute dtype before
@@ -109,9 +111,9 @@ def weight_transfers(
     all-reduces a gradient and keeps each device's part instead of reduce-scattering it. `reduced_as`, per param:
     the collective and bytes per element of its gradient's reduction over the FSDP axes where the step's own code
     decides them (the chunked loss's head). `compiler`: whose habits the exchanged tables follow
-    (`_exchanged_rows`)."""
+    (`_exchanged_rows`). `gathered_itemsize`, `reduced_itemsize`: per param, other bytes per element (8-bit)."""
     mesh, out, exchanged = shardings.mesh, [], set(exchanged_tables(shardings, used, tables))
-    multiplied, reduced_as = multiplied or {}, reduced_as or {}
+    multiplied, reduced_as, gathered_itemsize = multiplied or {}, reduced_as or {}, gathered_itemsize or {}
     names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
     params = jax.tree.leaves(shardings.abstract_state["params"])
     for i, (ns, p, (gathered, reduced)) in enumerate(zip(names, params, _weight_axes(shardings, used))):
@@ -132,9 +134,11 @@ def weight_transfers(
             gathers, cast = runs.other_gathers, multiplied.get(i, itemsize) / itemsize
         if gathered and (i not in exchanged or i in multiplied):
             usual = "all-reduce" if set(gathered) == set(whole_torus) else "reduce-scatter"
-            reduction = reduced_as.get(i, (usual, cast * itemsize))
-            moved = (gathers * shard, reductions * shard)
-            out += _gathered_weight(gathered, mesh.shape, *moved, cast, reduction, itemsize)
+            reduction = reduced_as.get(i, (usual, (reduced_itemsize or {}).get(i, cast * itemsize)))
+            gather_cast = gathered_itemsize.get(i, cast * itemsize) / itemsize
+            out += _gathered_weight(
+                gathered, mesh.shape, gathers * shard, reductions * shard, gather_cast, reduction, itemsize
+            )
         if reduced:
             n = math.prod(mesh.shape[a] for a in reduced)
             sent = reductions * SEND_SHARE["all-reduce"](n) * shard

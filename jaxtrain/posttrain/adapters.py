@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,22 +44,26 @@ from flax import nnx
 from jaxtrain.errors import UserInputError
 from jaxtrain.ops.cotangent import unfused_on_cpu
 from jaxtrain.ops.projection import frozen_matmul, weight_matmul
-from jaxtrain.placement.model import ModelParts, path_str
+from jaxtrain.ops.quantized_matmul import Recipe
+from jaxtrain.placement.model import ModelParts
+from jaxtrain.placement.weight_targets import (
+    StandIn,
+    chosen,
+    flat,
+    get_at,
+    name_of,
+    read_otherwise,
+    replace_at,
+    set_at,
+)
 from jaxtrain.posttrain import quantized
 from jaxtrain.run_config import LoraConfig
-from jaxtrain.sharding.rules import is_logical_names
 
 PyTree = Any
 Path = tuple  # a parameter's place in the params: its dict keys, ("blocks", "w_q")
 
 RANK = "lora_rank"  # the logical name of an adapter's inner dim (a rule in jaxtrain.sharding.rules)
 TRAINED = ("lora_a", "lora_b")  # an adapted weight's entries that train; "base" and "dropout_seed" are frozen
-
-# Targets by logical dims: what a decoder's attention and MLP weights are named, whatever the model calls them.
-GROUPS: dict[str, Callable[[tuple], bool]] = {
-    "attention": lambda names: "embed" in names and bool({"heads", "kv_heads"} & set(names)),
-    "mlp": lambda names: "embed" in names and "mlp" in names,
-}
 
 
 class AdapterError(UserInputError):
@@ -90,37 +94,9 @@ class Letters(NamedTuple):
         return cls(x, w, out, "".join(shared + contracted) + r, "".join(shared) + r + "".join(output), h, r)
 
 
-class _StandIn:
-    """What stands where a weight's array stands in the model: only `project` may read it (`projected`). A model
-    that reads the weight another way (an einsum of its own, a gather, arithmetic) would compute without the adapter,
-    so each such reading raises an `AdapterError` naming the weight."""
-
-    name: str
-
-    def _refuse(self, *_: Any, **__: Any) -> Any:
-        raise AdapterError(_read_otherwise(self.name))
-
-    def __getitem__(self, index: Any) -> Any:
-        if index is Ellipsis:  # nnx's `param[...]`: the value itself
-            return self
-        return self._refuse()
-
-    __jax_array__ = __array__ = astype = reshape = _refuse
-    __matmul__ = __rmatmul__ = __mul__ = __rmul__ = __add__ = __radd__ = _refuse
-    T = property(_refuse)
-
-
-def _read_otherwise(name: str) -> str:
-    return (
-        f"lora.targets: weight '{name}' is read without jaxtrain.ops.projection.project, so an adapter on it would "
-        "be left out of what the model computes; adapt only weights the model multiplies through project (drop it "
-        "from lora.targets, or change the model to call project)."
-    )
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: never compare arrays; JAX compares static fields only
-class Adapted(_StandIn):
+class Adapted(StandIn):
     """A frozen weight with its low-rank adapter, where the model reads the weight: `project` computes
     x·base + scale · (dropout(x)·a)·b with it, forming gradients for `a` and `b` and none for `base`."""
 
@@ -131,19 +107,30 @@ class Adapted(_StandIn):
     name: str = dataclasses.field(metadata={"static": True})
     scale: float = dataclasses.field(metadata={"static": True})
     dropout: float = dataclasses.field(metadata={"static": True})
+    # The base weight's matmul in low precision (`jaxtrain.placement.precision`): its recipe and logical names.
+    precision: Recipe | None = dataclasses.field(default=None, metadata={"static": True})
+    names: tuple = dataclasses.field(default=(), metadata={"static": True})
+    option: ClassVar[str] = "lora.targets"
+    refusal: ClassVar[type[UserInputError]] = AdapterError
 
     def projected(self, spec: str, x: jax.Array) -> jax.Array:
-        base = self.base.qarray() if isinstance(self.base, quantized.Stored) else self.base
         if not self.scale:  # switched off: the base model's matmul (a reference model's)
-            return frozen_matmul(spec, x, base)
+            return self._base_matmul(spec, x)
         letters = Letters.of(spec)
         low = weight_matmul(f"{letters.x},{letters.a}->{letters.h}", self._dropped(x), self.a)  # (..., r)
         low = low * jnp.asarray(self.scale, low.dtype)  # scaled at rank width, the narrowest point
-        y = frozen_matmul(spec, x, base) + weight_matmul(f"{letters.h},{letters.b}->{letters.out}", low, self.b)
+        y = self._base_matmul(spec, x) + weight_matmul(f"{letters.h},{letters.b}->{letters.out}", low, self.b)
         # Written out, as the base model's matmul output is: fused into its reader (RoPE's rotation), the sum changes
         # how XLA:CPU compiles the reader's float32 math, and the last bits with it; so with B = 0 the model
         # computes the base model's numbers bit for bit (tests/test_lora.py).
         return unfused_on_cpu(y)
+
+    def _base_matmul(self, spec: str, x: jax.Array) -> jax.Array:
+        if isinstance(self.base, quantized.Stored):
+            return frozen_matmul(spec, x, self.base.qarray())
+        if self.precision is not None:
+            return self.precision.frozen_einsum(spec, x, self.base, self.names)
+        return frozen_matmul(spec, x, self.base)
 
     def _dropped(self, x: jax.Array) -> jax.Array:
         if not self.dropout or self.seed is None:
@@ -162,12 +149,14 @@ class _Seen:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Probe(_StandIn):
+class _Probe(StandIn):
     """A weight as it is, recording the spec of every `project` that reads it."""
 
     base: jax.Array
     name: str = dataclasses.field(metadata={"static": True})
     seen: _Seen = dataclasses.field(metadata={"static": True})
+    option: ClassVar[str] = "lora.targets"
+    refusal: ClassVar[type[UserInputError]] = AdapterError
 
     def projected(self, spec: str, x: jax.Array) -> jax.Array:
         self.seen.specs.setdefault(self.name, set()).add(spec)
@@ -226,9 +215,10 @@ class AdaptedModel(ModelParts):
             seed, base = entry.get("dropout_seed"), entry["base"]
             if quantized.is_quantized(base):
                 base = quantized.stored(base, self.quantize, self.targets[path].spec)
-            return Adapted(base, entry["lora_a"], entry["lora_b"], seed, _name(path), scale, dropout)
+            recipe, names = (None, ()) if self.precision is None else self.precision.of(path) or (None, ())
+            return Adapted(base, entry["lora_a"], entry["lora_b"], seed, name_of(path), scale, dropout, recipe, names)
 
-        return _replace_at(params, self.targets, stand_in)
+        return self.reading(replace_at(params, self.targets, stand_in))
 
     def init_params(self, seed: int, base: PyTree | None = None) -> PyTree:
         """The model's params (its own initialisation, or `base`) with new adapters: A uniform in +-1/sqrt(fan-in),
@@ -250,7 +240,7 @@ class AdaptedModel(ModelParts):
             return entry
 
         order = {path: i for i, path in enumerate(self.targets)}
-        return _replace_at(base, self.targets, lambda path, weight: with_adapter(order[path], path, weight))
+        return replace_at(base, self.targets, lambda path, weight: with_adapter(order[path], path, weight))
 
     def _stored(self, target: Target, weight: jax.Array) -> Any:
         """A base weight as the params hold it: as it is, or quantized."""
@@ -273,17 +263,17 @@ class AdaptedModel(ModelParts):
         """{path: {"lora_a", "lora_b"}} of `params` or of any tree shaped like them (names, shardings)."""
         picked: dict = {}
         for path in self.targets:
-            _set_at(picked, path, {k: _get_at(params, path)[k] for k in TRAINED})
+            set_at(picked, path, {k: get_at(params, path)[k] for k in TRAINED})
         return picked
 
     def split(self, params: PyTree) -> tuple[PyTree, PyTree]:
         """(the adapters, everything else): what trains and what is frozen."""
-        frozen = _replace_at(params, self.targets, lambda _, e: {k: v for k, v in e.items() if k not in TRAINED})
+        frozen = replace_at(params, self.targets, lambda _, e: {k: v for k, v in e.items() if k not in TRAINED})
         return self.trainable(params), frozen
 
     def join(self, trainable: PyTree, frozen: PyTree) -> PyTree:
         """The inverse of `split`."""
-        return _replace_at(frozen, self.targets, lambda path, entry: {**entry, **_get_at(trainable, path)})
+        return replace_at(frozen, self.targets, lambda path, entry: {**entry, **get_at(trainable, path)})
 
     def for_step(self, frozen: PyTree, step: jax.Array) -> PyTree:
         """`frozen` with this step's dropout seeds: each stored seed hashed with the step, so every step, layer and
@@ -296,7 +286,7 @@ class AdaptedModel(ModelParts):
             seeds = entry["dropout_seed"]
             return {**entry, "dropout_seed": hashed(seeds.reshape(-1)).reshape(seeds.shape)}
 
-        return _replace_at(frozen, self.targets, stepped)
+        return replace_at(frozen, self.targets, stepped)
 
     def merge(self, params: PyTree) -> PyTree:
         """The base model's params with every adapter folded in: W + (alpha / rank) · A·B (W dequantized where the
@@ -308,12 +298,12 @@ class AdaptedModel(ModelParts):
             base = self._float_base(path, entry)
             return base + self.scale * product.astype(base.dtype)
 
-        return _replace_at(params, self.targets, merged)
+        return replace_at(params, self.targets, merged)
 
     def base_params(self, params: PyTree) -> PyTree:
         """The base model's params, dequantized where stored quantized; of abstract params, the float weights'
         shapes (what a checkpoint to fine-tune from holds)."""
-        return _replace_at(params, self.targets, self._float_base)
+        return replace_at(params, self.targets, self._float_base)
 
 
 def _factors(entry: dict) -> tuple[jax.Array, jax.Array]:
@@ -336,16 +326,16 @@ def adapt(model: ModelParts, lora: LoraConfig, batch: Mapping[str, jax.ShapeDtyp
         raise AdapterError(
             f"lora.rank={lora.rank}: expected an integer >= 1, each adapter's inner dim (e.g. lora.rank=8)."
         )
-    paths = _chosen(model, lora.targets)
+    paths = chosen(model.logical_names, lora.targets, "lora.targets", AdapterError)
     specs = _probe_specs(model, paths, batch)
-    weights = dict(_flat(model.abstract_params))
+    weights = dict(flat(model.abstract_params))
     targets = {path: Target(specs[path], weights[path].ndim - len(Letters.of(specs[path]).w)) for path in paths}
     if lora.quantize in ("int4", "nf4"):
         _check_packable(targets, weights, lora.quantize)
     adapted = AdaptedModel(
         model.graphdef, model.abstract_params, model.logical_names, model.build,
-        objective=model.objective, targets=targets, rank=lora.rank, scale=lora.alpha / lora.rank,
-        dropout=lora.dropout, quantize=lora.quantize,
+        objective=model.objective, precision=model.precision, targets=targets, rank=lora.rank,
+        scale=lora.alpha / lora.rank, dropout=lora.dropout, quantize=lora.quantize,
     )  # fmt: skip
     return dataclasses.replace(
         adapted,
@@ -360,8 +350,8 @@ def _check_packable(targets: Mapping[Path, Target], weights: Mapping[Path, Any],
         size = weights[path].shape[quantized.packed_axis(target.spec)]
         if size % 2:
             raise AdapterError(
-                f"lora.quantize={kind}: weight '{_name(path)}' has a contracted dim of odd size {size}, and its 4-bit "
-                "codes are stored two to a byte along it; use lora.quantize=int8, or leave the weight out of "
+                f"lora.quantize={kind}: weight '{name_of(path)}' has a contracted dim of odd size {size}, and its "
+                "4-bit codes are stored two to a byte along it; use lora.quantize=int8, or leave the weight out of "
                 "lora.targets."
             )
 
@@ -388,40 +378,7 @@ def _names_entry(target: Target, names: tuple, adapted: AdaptedModel) -> dict:
 
 def _with_factors(adapted: AdaptedModel, tree: PyTree, entry: Callable[..., dict]) -> PyTree:
     """`tree` (abstract params or logical names) with each target's entry as `entry` makes it."""
-    return _replace_at(tree, adapted.targets, lambda path, w: entry(adapted.targets[path], w, adapted))
-
-
-def _chosen(model: ModelParts, targets: str) -> list[Path]:
-    """The paths of the weights `targets` (lora.targets) names, in the params' order: groups by logical dims
-    (`GROUPS`), weight names (the last part of a path) and whole paths, among the weight matrices (two or more dims
-    besides `layers`). A group may match nothing (a model without attention), a name must match a weight."""
-    matrices = [(path, names) for path, names in _flat(model.logical_names) if len(_matrix_dims(names)) >= 2]
-    chosen: dict[Path, None] = {}
-    for entry in filter(None, (part.strip() for part in targets.split(","))):
-        if entry in GROUPS:
-            picked = [path for path, names in matrices if GROUPS[entry](names)]
-        else:
-            picked = [path for path, _ in matrices if entry in (_name(path), str(path[-1]))]
-            if not picked:
-                raise AdapterError(_no_target(entry, targets, matrices))
-        chosen.update(dict.fromkeys(picked))
-    if not chosen:
-        raise AdapterError(_no_target("", targets, matrices))
-    return [path for path, _ in matrices if path in chosen]
-
-
-def _matrix_dims(names: tuple) -> list:
-    return [n for n in names if n != "layers"]
-
-
-def _no_target(entry: str, targets: str, matrices: list[tuple[Path, tuple]]) -> str:
-    groups = [name for name, member in GROUPS.items() if any(member(names) for _, names in matrices)]
-    weights = ", ".join(f"{path[-1]} ({_name(path)})" for path, _ in matrices)
-    what = f"'{entry}' names no weight matrix of this model" if entry else "names no weight matrix of this model"
-    return (
-        f"lora.targets='{targets}': {what}. Choose among the groups {', '.join(groups) or '(none here)'} and the "
-        f"weights {weights or '(none)'}, comma-separated."
-    )
+    return replace_at(tree, adapted.targets, lambda path, w: entry(adapted.targets[path], w, adapted))
 
 
 def _probe_specs(model: ModelParts, paths: list[Path], batch: Mapping[str, jax.ShapeDtypeStruct]) -> dict[Path, str]:
@@ -437,14 +394,14 @@ def _probe_specs(model: ModelParts, paths: list[Path], batch: Mapping[str, jax.S
         culprit = next((path for path in paths if _probe_fails(model, path, batch)), None)
         if culprit is None:
             raise
-        raise AdapterError(_read_otherwise(_name(culprit))) from err
+        raise AdapterError(read_otherwise(name_of(culprit), "lora.targets")) from err
     specs = {}
     for path in paths:
-        found = seen.specs.get(_name(path), set())
+        found = seen.specs.get(name_of(path), set())
         if len(found) != 1:
             how = "never" if not found else f"through {len(found)} different einsums ({', '.join(sorted(found))})"
             raise AdapterError(
-                f"lora.targets: weight '{_name(path)}' is read {how} by jaxtrain.ops.projection.project; an adapter "
+                f"lora.targets: weight '{name_of(path)}' is read {how} by jaxtrain.ops.projection.project; an adapter "
                 "fits a weight multiplied one way: drop it from lora.targets."
             )
         specs[path] = found.pop()
@@ -453,7 +410,7 @@ def _probe_specs(model: ModelParts, paths: list[Path], batch: Mapping[str, jax.S
 
 def _trace_probed(model: ModelParts, paths: list[Path], batch: Mapping, seen: _Seen) -> None:
     def loss(params, batch):
-        return model.loss_fn(_replace_at(params, paths, lambda path, w: _Probe(w, _name(path), seen)), batch)
+        return model.loss_fn(replace_at(params, paths, lambda path, w: _Probe(w, name_of(path), seen)), batch)
 
     jax.eval_shape(loss, model.abstract_params, dict(batch))
 
@@ -464,42 +421,3 @@ def _probe_fails(model: ModelParts, path: Path, batch: Mapping) -> bool:
     except Exception:  # noqa: BLE001 - any refusal of this one probe names it
         return True
     return False
-
-
-def _flat(tree: PyTree) -> list[tuple[Path, Any]]:
-    """(path as dict keys, leaf) of params or of logical names (whose leaves are tuples)."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_logical_names)[0]
-    return [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path), leaf) for path, leaf in flat]
-
-
-def _name(path: Path) -> str:
-    return path_str(path)
-
-
-def _get_at(tree: PyTree, path: Path) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set_at(tree: dict, path: Path, value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def _replace_at(tree: PyTree, paths: Any, replace: Callable[[Path, Any], Any]) -> PyTree:
-    """A copy of nested dicts `tree` with the subtree at each of `paths` replaced by `replace(path, subtree)`; the
-    rest is shared, not copied."""
-    out = tree
-    for path in paths:
-        out = _replaced(out, path, replace(path, _get_at(tree, path)))
-    return out
-
-
-def _replaced(tree: Any, path: Path, value: Any) -> Any:
-    if not path:
-        return value
-    copy = dict(tree)
-    copy[path[0]] = _replaced(tree[path[0]], path[1:], value)
-    return copy

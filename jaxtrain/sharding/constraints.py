@@ -66,6 +66,15 @@ def active_mesh() -> Mesh | None:
     return None if active is None else active[0]
 
 
+def active_platform() -> str:
+    """The platform the program is being built for (cpu, gpu, tpu): the active mesh's devices (maybe compile-only),
+    else JAX's. The planner traces on an abstract mesh, which has no devices: there JAX's backend (where the plan
+    is made)."""
+    mesh = active_mesh()
+    platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def activation_spec(names: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec | None:
     """The PartitionSpec the activation rules give an array of `shape` whose dims are `names`; None without a mesh.
 

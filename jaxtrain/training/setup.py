@@ -48,6 +48,7 @@ from jaxtrain.parallel.step import (
 from jaxtrain.parallel.updates import UpdatePolicy, local_step, stale_step
 from jaxtrain.placement.model import ModelParts
 from jaxtrain.placement.place import PlacedModel, place_model
+from jaxtrain.placement.precision import with_precision
 from jaxtrain.placement.shardings import Shardings
 from jaxtrain.posttrain.adapters import adapt
 from jaxtrain.posttrain.grpo import ROLLOUT_KEYS, GrpoLoss, grpo_objective
@@ -240,6 +241,9 @@ def build(
     if mesh.shape["pipeline"] > 1:  # a model the pipeline cannot split is an error before any data is read
         stacked_layer_count(model.logical_names, model.abstract_params)
     dataset = _dataset(cfg, spec.task, mesh, dataset)
+    placed = dataclasses.replace(placed, model=with_precision(model, cfg, mesh))
+    if placed.model.precision is not None:
+        log(placed.model.precision.describe())
     placed = with_adapters(cfg, placed, model_batch(dataset.shapes(cfg.data.batch_size)))
     placed = with_objective(cfg, placed, dataset)
     model = placed.model
@@ -248,7 +252,7 @@ def build(
     if pipeline and verbose:
         log(pipeline.describe())
     policy = update_policy(cfg, mesh)
-    shardings = placed.shardings(optimizer, pipeline.layout if pipeline else None, policy)
+    shardings = with_offload(cfg, placed.shardings(optimizer, pipeline.layout if pipeline else None, policy), policy)
     log(shardings.table() if verbose else f"{shardings.totals()} (--verbose or train.verbose=true: the full tables)")
     # Check the batch divides over the devices before anything compiles.
     shardings.abstract_batch(dataset.shapes(cfg.data.batch_size), cfg.train.grad_accum)
@@ -415,6 +419,26 @@ def update_policy(cfg: RunConfig, mesh: Mesh | AbstractMesh) -> UpdatePolicy:
             f"{u.policy} exists to avoid: inside each replica XLA reduces the gradient; use allreduce.algorithm=xla."
         )
     return policy
+
+
+def with_offload(cfg: RunConfig, shardings: Shardings, policy: UpdatePolicy) -> Shardings:
+    """`shardings` with the optimizer state in host memory where `optimizer.offload` asks: the state the update core
+    (`step.apply_update`) updates, which it brings to the device. Training and the planner both lay it out so."""
+    offload = cfg.optimizer.offload
+    if offload == "none":
+        return shardings
+    if policy.is_local:
+        raise ConfigError(
+            f"optimizer.offload={offload} with updates.policy={policy.name}: each replica's optimizer state is the "
+            "policy's own, which its step updates outside the update core; use updates.policy=synchronous or stale, "
+            "or optimizer.offload=none."
+        )
+    if cfg.engine.kind != "spmd" and not cfg.grpo.group_size:  # GRPO on Ray: the learner is the SPMD step
+        raise ConfigError(
+            f"optimizer.offload={offload} with engine.kind={cfg.engine.kind}: the parameter-server shards keep the "
+            "optimizer state in their own processes; use engine.kind=spmd, or optimizer.offload=none."
+        )
+    return shardings.with_offload(offload)
 
 
 def _dataset(cfg: RunConfig, task: str, mesh: Mesh, given: Dataset | None) -> Dataset:

@@ -27,6 +27,13 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 # figure instead of measuring (tests/test_flops.py measures it).
 os.environ.setdefault("JAXTRAIN_CPU_PEAK_FLOPS", "1e11")
 
+# Ray's local sessions (the tests' own and those of the processes they start) run their workers at the tests'
+# priority, not at Ray's default nice 15: beside the other pytest-xdist worker a niced Ray worker got a few percent
+# of a core, and a Ray test of 15 s alone took 120 s in the suite. Nor does Ray prestart idle workers for them: the
+# engine's actors ask for their own environment, so those workers would only take CPU.
+os.environ.setdefault("RAY_worker_niceness", "0")
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+
 SHARED_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 if SHARED_DATA.is_dir():  # `data.source=digits` names a file in this folder
     os.environ.setdefault("JAXTRAIN_DATA_DIR", str(SHARED_DATA))

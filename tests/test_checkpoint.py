@@ -234,10 +234,13 @@ def test_a_signal_saves_and_the_rerun_continues_exactly(signum, tmp_path):
         assert stopped in checkpoints.steps() and stopped < 20
     assert max(logged(metrics)) == stopped
 
-    resumed = subprocess.run(train_command(directory, metrics), capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming at step {stopped}" in resumed.stdout
-    losses, reference = logged(metrics), run_train("data=8", tmp_path / "reference", extra=["steps=20"])[0]
+    rerun = train_command(directory, metrics)
+    with subprocess.Popen(rerun, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as resumed:
+        reference = run_train("data=8", tmp_path / "reference", extra=["steps=20"])[0]  # while the rerun starts up
+        stdout, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, stderr
+    assert f"resuming at step {stopped}" in stdout
+    losses = logged(metrics)
     assert sorted(losses) == list(range(1, 21))
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step], rel=1e-6), step

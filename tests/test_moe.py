@@ -336,21 +336,22 @@ def test_losses_report_balance_and_no_drops():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("routing,mesh", [("capacity", None), ("dropless", DROPLESS_MESH)])
-def test_auxiliary_loss_balances_the_experts(routing, mesh):
-    """300 steps of moe-tiny (8 experts, top 2; capacity factor 1.25 on one device, or dropless on data=2,expert=4)
+@pytest.mark.parametrize("routing,mesh,steps", [("capacity", None, 300), ("dropless", DROPLESS_MESH, 200)])
+def test_auxiliary_loss_balances_the_experts(routing, mesh, steps):
+    """`steps` steps of moe-tiny (8 experts, top 2; capacity factor 1.25 on one device, or dropless on data=2,expert=4)
     on the builtin text, with and without the auxiliary loss (weight 0.03), the same data. The load, most tokens
-    routed to one expert over the mean, averaged over the last 100 steps and on held-out text, measured with it and
-    without: capacity 1.37 and 1.48, 3.94 and 3.93; dropless 1.26 and 1.30, 2.91 and 2.87."""
+    routed to one expert over the mean, averaged over the last third of the steps and on held-out text, measured with
+    it and without: capacity (300 steps) 1.37 and 1.48, 3.94 and 3.93; dropless 1.41 and 1.35, 2.77 and 2.73 at 200
+    steps (1.26 and 1.30, 2.91 and 2.87 at 300, 30 s longer)."""
     loads = {}
     for weight in (0.03, 0.0):
-        overrides = ["steps=300", "batch_size=16", "seq_len=64", "log_every=10", "eval_every=300", "eval_batches=8"]
-        overrides += [f"routing={routing}", f"aux_loss_weight={weight}", "progress=false"]
+        overrides = [f"steps={steps}", "batch_size=16", "seq_len=64", "log_every=10", f"eval_every={steps}"]
+        overrides += ["eval_batches=8", f"routing={routing}", f"aux_loss_weight={weight}", "progress=false"]
         cfg = apply_overrides(default_config("moe"), [*overrides, *([f"mesh={mesh}"] if mesh else [])])
         summary = train(cfg, log=lambda *_: None, devices=jax.devices() if mesh else jax.devices()[:1])
-        late = [h["expert_load"] for h in summary["history"] if h["step"] > 200]
+        late = [h["expert_load"] for h in summary["history"] if h["step"] > steps * 2 // 3]
         loads[weight] = (np.mean(late), summary["val_expert_load"])
-    print("expert load (last 100 steps, held out): with", loads[0.03], "without", loads[0.0])
+    print("expert load (last third of the steps, held out): with", loads[0.03], "without", loads[0.0])
     assert max(loads[0.03]) < 1.5
     assert min(loads[0.0]) > 1.5
 

@@ -61,13 +61,13 @@ def write_task(root: Path, seed: int) -> dict[str, Path]:
 
 def finetune(paths: dict, base: Path, seed: int, devices, steps: int) -> Path:
     """`steps` of SFT of the whole model from the base checkpoint; returns its checkpoint's step directory."""
-    from jaxtrain.posttrain import sft_eval
+    from jaxtrain.evaluation import in_loop
     from jaxtrain.run_config import apply_overrides
 
     run = paths["sft"].parent / f"sft{steps}"
     cfg = sft_learning.sft_config(paths, base, seed, "full", steps, steps)
     cfg = apply_overrides(cfg, [f"checkpoint.dir={run}", "checkpoint.every=0", "train.generate_eval_every=0"])
-    sft_eval.train(cfg, log=lambda *_: None, devices=devices)
+    in_loop.train(cfg, log=lambda *_: None, devices=devices)
     return run / str(steps)
 
 

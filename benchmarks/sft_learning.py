@@ -114,10 +114,10 @@ def sft_config(paths: dict, base: Path, seed: int, run: str, steps: int, every: 
 def finetune(paths: dict, base: Path, seed: int, run: str, devices, steps: int = SFT_STEPS, every: int = 200, **kw):
     """Fine-tunes the base checkpoint on the chat shards (`run`: "full" or "lora"); returns the run's summary, its
     `history` holding val_loss and val_exact_match every `every` steps."""
-    from jaxtrain.posttrain import sft_eval
+    from jaxtrain.evaluation import in_loop
 
     cfg = sft_config(paths, base, seed, run, steps, every, **kw)
-    return sft_eval.train(cfg, log=lambda *_: None, devices=devices)
+    return in_loop.train(cfg, log=lambda *_: None, devices=devices)
 
 
 def base_score(paths: dict, base: Path, seed: int, devices) -> float:

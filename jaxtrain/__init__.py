@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 # public name is not the module's.
 _LAZY = {
     "RunConfig": "jaxtrain.run_config",
-    "train": "jaxtrain.posttrain.sft_eval",
+    "train": "jaxtrain.evaluation.in_loop",
     "PlacementError": "jaxtrain.placement.model",
     "Preempted": "jaxtrain.training.recovery",
     "CheckpointWriteError": "jaxtrain.training.checkpoint",

@@ -319,7 +319,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig | None:
 @command
 def train_main(argv: Sequence[str]) -> int:
     args = _train_args(argv, _train_parser())
-    from jaxtrain.posttrain.sft_eval import train  # the loop, with the generation score when asked for
+    from jaxtrain.evaluation.in_loop import train  # the loop, with the generation score and tasks when asked for
     from jaxtrain.training.checkpoint import CheckpointWriteError
     from jaxtrain.training.recovery import Preempted
 

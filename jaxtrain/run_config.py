@@ -186,6 +186,12 @@ class TrainConfig(Settings):
     generate_eval_max_new_tokens: int = setting(32, "new tokens a generation score lets a reply have", at_least=1)
     generate_eval_scorer: str = setting("exact_match", "a registered scorer's name, or module:function")
     generate_eval_stop: str = setting("", "the token that ends a reply; empty: the chat template's eos_token")
+    # lm-eval-harness tasks on the training mesh (jaxtrain.evaluation.in_loop; the eval extra), logged as
+    # val_<task>_<metric>; local tasks are YAML files in eval_tasks_include_path.
+    eval_tasks: str = setting("", "lm-eval task names, comma-separated; empty: none")
+    eval_tasks_every: int = setting(0, "steps between task evaluations; 0: with each validation", at_least=0)
+    eval_tasks_limit: int = setting(0, "documents per task at each evaluation; 0: all", at_least=0)
+    eval_tasks_include_path: str = setting("", "a folder of lm-eval task YAML files, beside lm-eval's own tasks")
     seed: int = setting(0, "seeds the params and the data order", at_least=0)
     progress: bool = setting(True, "a progress bar, not log lines")
     verbose: bool = setting(False, "the preflight's full tables (parameters, device grid, collectives)")

@@ -83,6 +83,27 @@ def fresh_compiles():
         compilation_cache.reset_cache()
 
 
+# XLA:CPU's code generation at LLVM -O0 for the default suite, whose time is compiling small programs, not running
+# them: tests/test_llama.py and tests/test_pipeline.py took 55 s instead of 87 s with -n 2 (-O1: 84 s). What the tests
+# check (HLO, collectives, numerics within float32 tolerance) is decided before LLVM. The slow set's learning runs
+# are the other way round (a 500-step run: 63 s at -O0 against 35 s), so `-m slow` keeps XLA's default. Set here, in
+# each test process before its backend starts, and inherited by the processes the tests start.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def pytest_configure(config) -> None:
+    if config.option.markexpr == "not slow" and FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+
+
+@pytest.fixture
+def optimized_subprocesses(monkeypatch):
+    """The processes this test starts build XLA:CPU's code at its default level: they run hundreds of steps (the
+    bring-your-own notebook's kernel: 94 s at -O0 against 63 s)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
+    monkeypatch.setenv("XLA_FLAGS", flags)
+
+
 def pytest_unconfigure(config) -> None:
     """The run's compilation cache goes with the run, once, from the process that made it (not an xdist worker)."""
     if MADE_CACHE and not hasattr(config, "workerinput"):

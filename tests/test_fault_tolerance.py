@@ -53,7 +53,7 @@ def final_params(directory: Path) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
 
 
-def test_sigkill_at_random_moments_loses_nothing(tmp_path):
+def test_sigkill_at_random_moments_loses_nothing(tmp_path, optimized_subprocesses):
     """Kill -9 the train command at random moments, two of them while an asynchronous save is being written, and
     rerun the same command each time: every logged loss equals the uninterrupted run's, the final state is
     bit-equal, and each restart redoes at most one save interval (plus the steps that ran during the lost write)."""

@@ -64,7 +64,10 @@ SYNCS = [
 @pytest.mark.parametrize("mesh,overrides", SYNCS, ids=lambda v: "-".join(v) if isinstance(v, list) else v)
 def test_explicit_sync_trains_like_xla(mesh, overrides, reference):
     run = sync_run(mesh, *overrides)
-    assert relative_error(train(run), reference) < 1e-5
+    # The params after 5 steps, summed in another order than XLA's all-reduce sums them: measured 1.29e-5 for ring
+    # and hierarchical where XLA:CPU's code is built at -O0 (the default suite, tests/conftest.py), under 1e-5 at its
+    # default; a wrong average or a lost bucket is off by 1e-1 and more.
+    assert relative_error(train(run), reference) < 3e-5
     report = communication_report(run.train_step, run.shardings.mesh)
     for expected in run.grad_sync.expected(run.shardings.param_bytes()):  # the bytes the algorithm's model predicts
         assert report.measured(expected.axes, expected.kinds) == pytest.approx(expected.bytes, rel=0.01)

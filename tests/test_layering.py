@@ -2,7 +2,7 @@
 
     base (errors, settings, files, formatting, registry, devices)
       < analysis, sharding, data  < parallel  < run_config, placement, posttrain.adapters  < training
-      < planner, asynchronous, posttrain  < cli and the public API
+      < planner, asynchronous, posttrain, inference, interop, evaluation  < cli and the public API
 
 No module imports one of a higher layer, no two modules import each other through any chain, the library never
 imports `jaxtrain_models` (models/), `scripts`, `benchmarks` or `tests`, models import only the sharding helpers, the
@@ -41,6 +41,7 @@ LAYERS = {
     "jaxtrain.planner": 5,
     "jaxtrain.inference": 5,
     "jaxtrain.interop": 5,  # Hugging Face import/export: checkpoints, plans, the run config
+    "jaxtrain.evaluation": 5,  # lm-eval's tasks on a trained model and inside the loop, built on inference
     "jaxtrain.asynchronous": 5,  # the Ray parameter-server engine: the run built per worker, checkpoints, metrics
     "jaxtrain.cli": 6,
     "jaxtrain": 6,  # the public API, jaxtrain/__init__.py

@@ -57,7 +57,7 @@ def run_scratch(client: NotebookClient, source: str) -> str:
 
 
 @pytest.fixture
-def kernel_env(monkeypatch, tmp_path):
+def kernel_env(monkeypatch, tmp_path, optimized_subprocesses):
     monkeypatch.setenv("JAXTRAIN_CPU_PEAK_FLOPS", "1e11")  # no peak measurement in the kernel
     monkeypatch.setenv("JAXTRAIN_COMPILATION_CACHE", str(tmp_path / "xla"))  # a clean cache: nothing precompiled
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend draws the figures

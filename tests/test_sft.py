@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxtrain.cli import main
 from jaxtrain.errors import ConfigError, UserInputError
-from jaxtrain.posttrain import sft_eval
+from jaxtrain.evaluation import in_loop
 from jaxtrain.posttrain.sft_eval import GenerationEval, GenerationEvalError, register_scorer
 from jaxtrain.run_config import LoraConfig, load_config
 from jaxtrain.training import loop, recovery
@@ -119,7 +119,7 @@ def config(sft, *overrides: str, restore: str | None = None):
 
 
 def sft_train(cfg, **kwargs):
-    return sft_eval.train(cfg, log=lambda *_: None, devices=jax.devices()[:DEVICES], **kwargs)
+    return in_loop.train(cfg, log=lambda *_: None, devices=jax.devices()[:DEVICES], **kwargs)
 
 
 class CompileCounter:
@@ -191,7 +191,7 @@ def test_sft_from_a_checkpoint_and_an_export_with_and_without_lora(sft, tmp_path
         cfg = config(
             sft, "train.steps=2", "train.eval_every=2", "train.generate_eval_every=2", *extra, restore=str(restore)
         )
-        summary = sft_eval.train(cfg, log=lines.append, devices=jax.devices()[:DEVICES])
+        summary = in_loop.train(cfg, log=lines.append, devices=jax.devices()[:DEVICES])
         assert any("starting from the params of step 2" in line for line in lines), (restore, extra)
         assert summary["steps"] == 2 and 0 <= summary["val_exact_match"] <= 1
 
@@ -327,7 +327,7 @@ def test_bad_settings_are_one_line(sft, tmp_path):
     assert "pipeline" in one_line(err)
     with pytest.raises(ConfigError) as err:
         loop.train(config(sft, "train.generate_eval_every=5"), log=lambda *_: None)
-    assert "sft_eval.train" in one_line(err)
+    assert "jaxtrain.train(cfg)" in one_line(err)
     # Chat data tokenized with another tokenizer than the import's.
     other = tmp_path / "other"
     hf_model(other, np.random.default_rng(7), vocab_size=290)

@@ -30,14 +30,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtrain.data.datasets import Dataset
 from jaxtrain.data.tokenizer import Tokenizer
 from jaxtrain.data.tokens import open_split, read_manifest, token_sources, tokenizer_of
 from jaxtrain.errors import ConfigError
 from jaxtrain.inference.generate import Generator, generation_shardings
 from jaxtrain.placement.place import PlacedModel, place_model
 from jaxtrain.run_config import RunConfig
-from jaxtrain.sharding.mesh import parse_layout
 from jaxtrain.training import loop
 from jaxtrain.training.setup import Run
 
@@ -182,11 +180,7 @@ class GenerationEval:
 
     def __init__(self, cfg: RunConfig):
         t = cfg.train
-        if parse_layout(cfg.mesh).axes.get("pipeline", 1) > 1:
-            raise GenerationEvalError(
-                f"{SETTING}={t.generate_eval_every} with a pipeline mesh ({cfg.mesh}): generation runs every layer "
-                f"on each device; use a mesh without a pipeline axis, or {SETTING}=0."
-            )
+        loop.refuse_pipeline_mesh(cfg, f"{SETTING}={t.generate_eval_every}", GenerationEvalError)
         self.every, self.max_new_tokens = t.generate_eval_every, t.generate_eval_max_new_tokens
         self.name, self.scorer = find_scorer(t.generate_eval_scorer)
         self.held_out = held_out_prompts(cfg)
@@ -225,20 +219,3 @@ def _base(run: Run) -> PlacedModel:
         return run.placed
     cfg = run.cfg
     return place_model(cfg.model_name, cfg.model, cfg.mesh, cfg.rules, mesh=run.placed.mesh)
-
-
-def evaluations(cfg: RunConfig) -> list[loop.Evaluation]:
-    """The evaluations `cfg` asks for beside the validation loss: the generation score, if any."""
-    return [GenerationEval(cfg)] if cfg.train.generate_eval_every else []
-
-
-def train(
-    cfg: RunConfig,
-    log: Callable[[str], None] = print,
-    devices: Sequence[jax.Device] | None = None,
-    on_metrics: Callable[[dict[str, float]], None] | None = None,
-    dataset: Dataset | None = None,
-) -> dict[str, Any]:
-    """`jaxtrain.training.loop.train` with the evaluations `cfg` asks for (the generation score of
-    `train.generate_eval_every`), checked before anything compiles."""
-    return loop.train(cfg, log, devices, on_metrics, dataset, evaluations=evaluations(cfg))

@@ -22,6 +22,7 @@ import numpy as np
 from jaxtrain.analysis.flops import peak_flops, peak_too_low
 from jaxtrain.data.datasets import Dataset
 from jaxtrain.run_config import ConfigError, RunConfig
+from jaxtrain.sharding.mesh import parse_layout
 from jaxtrain.training import run_lock
 from jaxtrain.training.checkpoint import Checkpoints
 from jaxtrain.training.distributed import to_host
@@ -48,6 +49,7 @@ from jaxtrain.training.stragglers import StepTimes
 from jaxtrain.training.tracking import WandbSink, wandb_module
 
 GENERATE_EVAL_KEY = "train.generate_eval_every"
+EVAL_TASKS_KEY = "train.eval_tasks"
 
 
 class Evaluation(Protocol):
@@ -60,6 +62,17 @@ class Evaluation(Protocol):
     def __call__(self, run: Run, params: Any, step: int) -> dict[str, float]:
         """Metrics of `params` (the train state's, as stored) after `step`, named `val_*`."""
         ...
+
+
+def refuse_pipeline_mesh(cfg: RunConfig, asked: str, error: type[ConfigError] = ConfigError) -> None:
+    """An evaluation that runs every layer on each device (generation, lm-eval's tasks) cannot run on a pipeline
+    mesh: `error` saying so, naming `asked` (the setting as given, `key=value`), where `cfg.mesh` has one."""
+    if parse_layout(cfg.mesh).axes.get("pipeline", 1) > 1:
+        key = asked.split("=")[0]
+        raise error(
+            f"{asked} with a pipeline mesh ({cfg.mesh}): it runs every layer on each device; use a mesh without a "
+            f"pipeline axis, or unset {key}."
+        )
 
 
 def evaluate(run: Run, params: Any) -> dict[str, float]:
@@ -95,7 +108,8 @@ def train(
     `cfg.data.source`, e.g. `jaxtrain.data.datasets.TokenWindows(token_ids, seq_len, seed)` for token ids in memory
     (any object with the `Dataset` protocol's `task`, `shapes` and `rows`). A checkpoint records the config, not the
     data: resuming with other data is not detected. `evaluations`: more metrics at their own cadence (`Evaluation`:
-    `jaxtrain.posttrain.sft_eval.train` adds the generation score of `train.generate_eval_every`).
+    `jaxtrain.evaluation.in_loop.train`, which is `jaxtrain.train`, adds the generation score of
+    `train.generate_eval_every` and the tasks of `train.eval_tasks`).
 
     With `checkpoint.dir`, it holds that directory's lock (`run_lock`: one writer at a time), resumes from the
     newest checkpoint there if its config defines the same run (`run_identity`; else `RunIdentityError`, before
@@ -141,9 +155,9 @@ def train(
 
 
 def _check_start(cfg: RunConfig, evaluations: Sequence[Evaluation]) -> None:
-    """Refuse, before anything is built, what this loop cannot run: another engine; a generation score no evaluation
-    of this call computes (it would be silently missing from the metrics); a restored model's fine-tuning on data of
-    another tokenizer."""
+    """Refuse, before anything is built, what this loop cannot run: another engine; a generation score or tasks no
+    evaluation of this call computes (they would be silently missing from the metrics); a restored model's
+    fine-tuning on data of another tokenizer."""
     if cfg.engine.kind != "spmd":  # the asynchronous engine is another program, not a variant of this loop
         raise ConfigError(
             f"engine.kind={cfg.engine.kind}: this is the SPMD loop. Run the engine with `jaxtrain train --engine ray` "
@@ -153,8 +167,14 @@ def _check_start(cfg: RunConfig, evaluations: Sequence[Evaluation]) -> None:
     if cfg.train.generate_eval_every and not any(getattr(e, "setting", "") == GENERATE_EVAL_KEY for e in evaluations):
         raise ConfigError(
             f"{GENERATE_EVAL_KEY}={cfg.train.generate_eval_every}: the generation score needs the generator, which "
-            "this loop does not import: train with jaxtrain.posttrain.sft_eval.train(cfg) (as `jaxtrain train` "
-            f"does), or set {GENERATE_EVAL_KEY}=0."
+            "this loop does not import: train with jaxtrain.train(cfg) (jaxtrain.evaluation.in_loop.train, as "
+            f"`jaxtrain train` does), or set {GENERATE_EVAL_KEY}=0."
+        )
+    if cfg.train.eval_tasks and not any(getattr(e, "setting", "") == EVAL_TASKS_KEY for e in evaluations):
+        raise ConfigError(
+            f"{EVAL_TASKS_KEY}={cfg.train.eval_tasks}: lm-eval's tasks need its harness, which this loop does not "
+            "import: train with jaxtrain.train(cfg) (jaxtrain.evaluation.in_loop.train, as `jaxtrain train` does), "
+            "or unset it."
         )
 
 

@@ -42,6 +42,7 @@ FREE_KEYS = frozenset(
         "data.prefetch",
         *(f"train.{name}" for name in ("grad_accum", "rollback_after", "log_every", "eval_every", "eval_batches")),
         *(f"train.generate_eval_{name}" for name in ("every", "prompts", "max_new_tokens", "scorer", "stop")),
+        *(f"train.eval_tasks{suffix}" for suffix in ("", "_every", "_limit", "_include_path")),
         "train.progress",
         "train.verbose",
         "allreduce.algorithm",

@@ -14,8 +14,8 @@ jaxtrain export runs/x/ckpt/400 runs/x-params-400   # the params alone, for eval
 jaxtrain generate --restore runs/x/ckpt --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95
 jaxtrain tokenizer train --vocab-size 4096 --out tok.json corpus/*.txt   # a byte-level BPE, trained here
 jaxtrain tokenize --tokenizer tok.json --out shards --workers 2 corpus/   # token shards: --data tokens:shards
-jaxtrain import-hf Llama-3.2-1B runs/llama-1b   # a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory -> a params export
-jaxtrain export-hf runs/x runs/x-hf             # a decoder checkpoint -> a Hugging Face model directory
+jaxtrain import-hf Llama-3.2-1B runs/llama-1b   # a Hugging Face Llama/Mistral/Qwen/BERT directory -> a params export
+jaxtrain export-hf runs/x runs/x-hf             # a decoder or BERT checkpoint -> a Hugging Face model directory
 jaxtrain export-hf runs/lora runs/lora-peft --adapters-only   # a LoRA run's adapters -> a peft adapter directory
 
 Exit status: 0 done; 2 bad input (a one-line error saying what to change, as argparse's own); 74 a checkpoint could
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import shlex
 import sys
 import traceback
@@ -611,8 +612,9 @@ def import_hf_main(argv: Sequence[str]) -> int:
     parser = _interop_parser(
         "jaxtrain import-hf",
         "Import a Hugging Face model directory (config.json, safetensors weights, tokenizer files) of "
-        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM as a params export: restorable "
-        "onto any mesh (jaxtrain train --restore OUT fine-tunes it; jaxtrain generate --restore OUT). "
+        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, BertForMaskedLM or "
+        "BertForSequenceClassification as a params export: restorable onto any mesh (jaxtrain train --restore OUT "
+        "fine-tunes it; jaxtrain generate --restore OUT generates from a decoder). "
         "Each device's shard is read alone from the files.",
         ("directory", "the Hugging Face model directory"),
         ("out_dir", "where to write the export (must not exist)"),
@@ -726,8 +728,8 @@ def _chat_options(args: argparse.Namespace):
 def export_hf_main(argv: Sequence[str]) -> int:
     parser = _interop_parser(
         "jaxtrain export-hf",
-        "Write a decoder checkpoint as a Hugging Face model directory: config.json naming the architecture that "
-        "computes it, safetensors weights in files of at most --max-shard-mb with their index, and the tokenizer "
+        "Write a decoder or BERT checkpoint as a Hugging Face model directory: config.json naming the architecture "
+        "that computes it, safetensors weights in files of at most --max-shard-mb with their index, and the tokenizer "
         "files of a model imported with import-hf. Gathered one tensor at a time from the mesh. A run trained with "
         "adapters (lora.rank > 0) exports merged (each adapter folded into its weight), or with --adapters-only as a "
         "peft adapter directory (adapter_config.json, adapter_model.safetensors) for PeftModel.from_pretrained.",
@@ -756,7 +758,8 @@ def export_hf_main(argv: Sequence[str]) -> int:
 
     max_mb = 5000.0 if args.max_shard_mb is None else args.max_shard_mb
     out = export_hf(args.path, args.out_dir, dtype=args.dtype, max_file_bytes=int(max_mb * 1e6), mesh=args.mesh)
-    print(f"exported {args.path} to {out} (AutoModelForCausalLM.from_pretrained reads it)")
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"exported {args.path} to {out}: {architecture}.from_pretrained reads it")
     return 0
 
 

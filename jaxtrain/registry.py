@@ -20,7 +20,10 @@ from jaxtrain.errors import UserInputError
 ENTRY_POINT_GROUP = "jaxtrain.models"
 # The data a model trains on. "custom": data no source in `jaxtrain.data` makes, which the run brings as its dataset
 # (`build(cfg, dataset=...)`, `train(cfg, dataset=...)`), e.g. an application's replay buffer; its batch is the model's.
-TASKS = ("lm", "classification", "clicks", "custom")
+TASKS = ("lm", "classification", "clicks", "mlm", "text_classification", "custom")
+# The tasks whose examples are sequences of data.seq_len tokens: a step's tokens are rows x seq_len, and the mesh may
+# split the sequence (a context axis).
+SEQUENCE_TASKS = ("lm", "mlm", "text_classification")
 
 
 class ModelRegistrationError(UserInputError):
@@ -37,7 +40,7 @@ class ModelSpec:
     module: type
     presets: Mapping[str, Callable[[], object]]
     default_preset: str
-    task: str  # "lm" (token sequences), "classification" (features + labels), "clicks" (recommendations), "custom"
+    task: str  # one of TASKS: "lm" (token sequences), "classification" (features + labels), "clicks", "mlm", ...
     replicate_unnamed: bool = False
 
 
@@ -64,18 +67,23 @@ def register_model(
     - `module(config, rngs=...)` builds it; nothing in it knows about meshes or the run config.
     - `loss(batch) -> (loss, metrics)`: a scalar mean over the batch's examples and a dict of scalar metrics (may be
       empty). The batch is the task's: `lm` {"tokens": int32 (B, T + 1)}; `classification` {"x": float32 (B, F),
-      "y": int32 (B,)}; `clicks` the recommender batch of `jaxtrain.data.clicks`; `custom` whatever the dataset the
-      run brings gives (no data source makes it: the run passes `dataset=` to `build` or `train`).
+      "y": int32 (B,)}; `clicks` the recommender batch of `jaxtrain.data.clicks`; `mlm` {"tokens": int32 (B, T) with
+      the chosen positions replaced, "targets": int32 (B, T) the original tokens, "loss_weights": float32 (B, T) 1
+      where chosen, and where the source packs documents "segment_ids": int32 (B, T), 0 padding}
+      (`jaxtrain.data.masking`); `text_classification` {"tokens": int32 (B, T), "segment_ids": int32 (B, T) 1 on
+      tokens and 0 on padding, "labels": int32 (B,)} (`jaxtrain.data.text_classes`); `custom` whatever the dataset
+      the run brings gives (no data source makes it: the run passes `dataset=` to `build` or `train`).
     - Logical names on every parameter, one per dimension (a name or None), which the sharding rules map to mesh
       axes: `nnx.Param(value, out_sharding=("embed", "mlp"))`, or for Flax layers `kernel_init=
       nnx.with_partitioning(init, ("embed", "mlp"))`. A parameter without names is refused, naming it, unless
       `replicate_unnamed=True`: then every device keeps the whole of it.
     - A config dataclass per preset (`presets`: preset name -> a callable returning one, e.g. the class itself),
-      whose fields become `key=value` overrides. Optional fields the data reads: `vocab_size` (lm), `in_features`
-      and `n_classes` (classification). Optional `train_flops(batch_size, seq_len, weight_gradients=True) -> float`,
-      the model FLOPs of a step for throughput and MFU (`weight_gradients=False`: with every weight frozen, as under
-      adapters, which add their own); without it, they come from XLA's cost analysis of the compiled step, which counts
-      the body of a loop once (a model that scans its layers is undercounted).
+      whose fields become `key=value` overrides. Optional fields the data reads: `vocab_size` (lm, mlm,
+      text_classification), `in_features` (classification) and `n_classes` (classification, text_classification).
+      Optional `train_flops(batch_size, seq_len, weight_gradients=True) -> float`, the model FLOPs of a step for
+      throughput and MFU (`weight_gradients=False`: with every weight frozen, as under adapters, which add their
+      own); without it, they come from XLA's cost analysis of the compiled step, which counts the body of a loop once
+      (a model that scans its layers is undercounted).
 
     `default_preset`: what a bare `NAME` means (default: the first preset). Registering a name again replaces it
     (re-running a notebook cell). Returns the `ModelSpec`.

@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 import tomli_w
 
 from jaxtrain.data.datasets import PARTITIONS
+from jaxtrain.data.masking import MASK_RATE
 from jaxtrain.data.packing import PACKINGS
 from jaxtrain.errors import ConfigError, UserInputError
 from jaxtrain.files import read_bytes, utf8_text
@@ -132,15 +133,18 @@ class OptimizerConfig(Settings):
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig(Settings):
-    """`source`: builtin (text shipped with Python) | synthetic (random data of the model's shapes) | digits (CSV) |
-    clicks (synthetic click logs, for recommenders) | tokens (shards of `jaxtrain tokenize`: `path`, or a
-    `mixture`; `tokens:DIR` for short) | pairs (preference pairs: the JSON lines at `path`, tokenized with
-    `tokenizer`; `pairs:FILE` for short) | a text file path."""
+    """`source`: builtin (text shipped with Python; for text classification a generated sentiment task) | synthetic
+    (random data of the model's shapes) | digits (CSV) | clicks (synthetic click logs, for recommenders) | tokens
+    (shards of `jaxtrain tokenize`: `path`, or a `mixture`; `tokens:DIR` for short) | pairs (preference pairs: the
+    JSON lines at `path`, tokenized with `tokenizer`; `pairs:FILE` for short) | a text file path (for text
+    classification, a JSON-lines file of texts and labels). A masked language model masks any token source's rows
+    (`mask_rate`, `whole_words`: jaxtrain.data.masking)."""
 
     section: ClassVar[str] = "data"
 
     source: str = setting(
-        "builtin", "builtin, synthetic, digits, clicks, tokens[:DIR], pairs[:FILE], or a text or digits-CSV path"
+        "builtin",
+        "builtin, synthetic, digits, clicks, tokens[:DIR], pairs[:FILE], or a text, digits-CSV or JSON-lines path",
     )
     path: str = setting("", "data.source=tokens: the directory jaxtrain tokenize wrote; pairs: the JSON-lines file")
     # Tokenized data (jaxtrain.data.packing): concat joins documents by their end-of-text token; segments packs
@@ -148,7 +152,9 @@ class DataConfig(Settings):
     packing: str = setting("concat", "data.source=tokens: how documents fill rows", choices=PACKINGS)
     mixture: str = setting("", "data.source=tokens: DIR_A:0.7,DIR_B:0.3, deterministic by weight; empty: data.path")
     prefetch: int = setting(2, "data.source=tokens: training steps read ahead on a background thread", at_least=0)
-    tokenizer: str = setting("", "data.source=pairs: the tokenizer (tokenizer.json, or a model directory holding it)")
+    tokenizer: str = setting(
+        "", "pairs, text classification: the tokenizer (tokenizer.json, or a model directory holding it)"
+    )
     chat_template: str = setting(
         "", "data.source=pairs: conversations' chat template (a built-in name or a file); empty: the tokenizer's"
     )
@@ -159,6 +165,15 @@ class DataConfig(Settings):
     # replica gets the global class mix) | by_label (each replica a few classes: non-IID, the federated setting).
     # Synchronous training does not care; local SGD / FedAvg does. Text and synthetic data take only uniform.
     partition: str = setting("uniform", "how labelled data is split over replicas", choices=PARTITIONS)
+    # Masked-language-model data (jaxtrain.data.masking): of the positions chosen, 80% become the mask token, 10% a
+    # random token, 10% stay; whole words: a word's tokens are chosen together.
+    mask_rate: float = setting(MASK_RATE, "MLM: the share of positions chosen for prediction", above=0, below=1)
+    whole_words: bool = setting(False, "MLM: choose whole words, not single tokens")
+    # Text classification (jaxtrain.data.text_classes): one JSON object a line, a text and a label.
+    text_field: str = setting("text", "text classification: the JSON field holding the text")
+    label_field: str = setting("label", "text classification: the JSON field holding the label")
+    label_names: str = setting("", "text classification: names of labels in class order (neg,pos); empty: integers")
+    val_path: str = setting("", "text classification: a JSON-lines file to validate on; empty: hold out val_fraction")
 
 
 WANDB_MODES = ("auto", "online", "offline")  # auto: online where W&B credentials are found (jaxtrain.training.tracking)
@@ -546,6 +561,8 @@ SECTIONS = (
 TASK_DATA = {
     "classification": DataConfig(source="digits", batch_size=64),
     "clicks": DataConfig(source="clicks", batch_size=256),
+    "mlm": DataConfig(source="builtin"),  # the builtin text, masked
+    "text_classification": DataConfig(source="builtin"),  # the generated sentiment task: every review fits 128 bytes
 }
 
 

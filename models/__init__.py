@@ -9,7 +9,7 @@ with `train_flops(batch_size, seq_len, weight_gradients=True)`, and named preset
 
 from jaxtrain.registry import register_model
 
-from . import alphazero, gpt, llama, mlp, moe, recsys, resnet
+from . import alphazero, bert, gpt, llama, mlp, moe, recsys, resnet
 
 register_model("gpt", gpt.GPT, gpt.PRESETS, task="lm", default_preset="cpu")
 register_model("llama", gpt.GPT, llama.PRESETS, task="lm", default_preset="cpu")
@@ -17,4 +17,8 @@ register_model("mlp", mlp.MLP, mlp.PRESETS, task="classification", default_prese
 register_model("resnet", resnet.ResNet, resnet.PRESETS, task="classification", default_preset="digits")
 register_model("recsys", recsys.DLRM, recsys.PRESETS, task="clicks", default_preset="tiny")
 register_model("moe", moe.MoE, moe.PRESETS, task="lm", default_preset="tiny")
+register_model("bert", bert.MaskedLM, bert.PRESETS, task="mlm", default_preset="tiny")
+register_model(
+    "bert_classifier", bert.Classifier, bert.CLASSIFIER_PRESETS, task="text_classification", default_preset="tiny"
+)
 register_model("alphazero", alphazero.AlphaZeroNet, alphazero.PRESETS, task="custom", default_preset="connect4")

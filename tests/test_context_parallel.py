@@ -15,6 +15,7 @@ from jaxtrain.analysis.chips import chip
 from jaxtrain.analysis.comm_report import communication_report
 from jaxtrain.analysis.hlo import collectives
 from jaxtrain.errors import ConfigError
+from jaxtrain.ops.blockwise import Visibility
 from jaxtrain.ops.context_attention import ContextParallelError, block_len, visible
 from jaxtrain.ops.sequence import SequenceLayoutError, zigzag_order
 from jaxtrain.planner.context import context_attention_bytes
@@ -178,7 +179,7 @@ def computed_blocks(order: np.ndarray, ways: int) -> np.ndarray:
     block = block_len(order.size // ways)
     key_blocks = order.reshape(-1, block)
     counts = [
-        sum(bool(visible(None, q, k)) for q in queries.reshape(-1, block) for k in key_blocks)
+        sum(bool(visible(Visibility(), q, k)) for q in queries.reshape(-1, block) for k in key_blocks)
         for queries in order.reshape(ways, -1)
     ]
     return np.array(counts)

@@ -70,6 +70,28 @@ PAIRS = [
     ),
 ]
 
+# The BERT encoder (models/bert.py) made as wide as CHEAP's gpt-tiny: bidirectional attention, its MLM head's whole
+# logits (the label picked by a one-hot, as the decoder's plain loss: picked by take_along_axis, XLA scatters its
+# gradient into a float32 (B, T, V) buffer and the v5p peak was 274 MB against 196 estimated), and on the GPUs the
+# sequence split over a context axis (attention's K and V gathered, `allgather`). 32 rows, so a device looks up fewer
+# tokens than the 4,096-entry table holds, as real vocabularies are. Measured 2026-12-07, estimate / compiled:
+# h100:8 passes; v5p:2x2x2 on data=2,fsdp=2,tensor=2 agrees on arguments and peak, but XLA:TPU all-reduces the
+# table's float32 gradient over (data, fsdp), 1.75 MB where the planner counts 0.026 MB, a small-table case it does
+# not model (on fsdp=4,tensor=2 the fsdp bytes are 3.70 MB against 5.00 MB compiled).
+ENCODER = ["batch_size=32", "seq_len=384", "vocab_size=4096", "d_model=128", "n_heads=2", "d_ff=512", "dtype=bfloat16"]
+SMALL_TABLE_GAP = pytest.mark.xfail(strict=True, reason="XLA:TPU all-reduces a small table's gradient (see ENCODER)")
+PAIRS += [
+    pytest.param(
+        "v5p:2x2x2",
+        "bert-tiny",
+        "data=2,fsdp=2,tensor=2",
+        [*ENCODER, "attention=reference"],
+        id="v5p:2x2x2-bert-tiny-encoder-data=2,fsdp=2,tensor=2",
+        marks=[pytest.mark.slow, SMALL_TABLE_GAP],
+    ),  # fmt: skip
+    _pair("h100:8", "bert-tiny", "context=2,fsdp=2,tensor=2", ENCODER, tag="-encoder"),
+]
+
 
 @pytest.mark.parametrize("target,model,mesh,overrides", PAIRS)
 def test_estimate_agrees_with_the_compiler(target, model, mesh, overrides):

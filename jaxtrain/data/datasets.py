@@ -10,7 +10,9 @@ Sources: `builtin` (Python standard-library source text, which ships with every 
 features in [0, 1) and labels for classifiers, the click logs for recommenders), a UTF-8/byte text file path
 (byte-level tokens), and
 `digits` (8x8 handwritten digits CSV, for classifiers), `clicks` (synthetic click logs with a known rule, for
-recommenders: `jaxtrain.data.clicks`).
+recommenders: `jaxtrain.data.clicks`). Encoders: masked-language-model rows over any of the token sources
+(`jaxtrain.data.masking`), and text classification from JSON lines or a generated task
+(`jaxtrain.data.text_classes`).
 """
 
 from __future__ import annotations
@@ -22,17 +24,27 @@ import math
 import os
 import sysconfig
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain.data.clicks import Clicks
+from jaxtrain.data.masking import (
+    MaskedTokens,
+    MaskOptions,
+    byte_vocab,
+    check_byte_vocab,
+    synthetic_vocab,
+    tokenizer_vocab,
+)
+from jaxtrain.data.text_classes import TextOptions, text_classes
 from jaxtrain.data.tokenizer import padded_vocab
-from jaxtrain.data.tokens import TokenData, token_sources
+from jaxtrain.data.tokens import TokenData, token_sources, tokenizer_of
 from jaxtrain.errors import UserInputError
 from jaxtrain.files import read_bytes, utf8_text
+from jaxtrain.registry import SEQUENCE_TASKS, TASKS
 
 SOURCES = ("builtin", "synthetic", "digits", "clicks")  # data sources by name; any other source is a file path
 # Where a named data file (`digits`: digits.csv.gz) is looked for. The library ships no data files and knows no
@@ -429,12 +441,16 @@ def make_dataset(
     partition: str = "uniform",
     replicas: int = 1,
     tokens: TokenOptions | None = None,
+    masking: MaskOptions | None = None,
+    text: TextOptions | None = None,
 ) -> Dataset:
-    """The dataset named by `source` for a model of kind `task` ("lm", "classification" or "clicks").
+    """The dataset named by `source` for a model of kind `task` (a registry task: "lm", "classification", "clicks",
+    "mlm", "text_classification").
 
     `synthetic` is random data of the model's shapes: `vocab_size` tokens of `seq_len`, or `features` inputs and
     `classes` labels. `partition` (one of PARTITIONS) splits labelled training data over `replicas` replicas, see
-    `Digits`. `tokens` says where tokenized data is and how to read it (`source` tokens, or tokens:DIR).
+    `Digits`. `tokens` says where tokenized data is and how to read it (`source` tokens, or tokens:DIR); `masking`
+    how an MLM's positions are chosen; `text` where text classification's texts and labels are.
     """
     check_partition(partition, replicas)
     if task == "custom":
@@ -445,8 +461,16 @@ def make_dataset(
         )
     tokens = tokens or TokenOptions()
     token_dirs = token_sources(source, tokens.path, tokens.mixture)
-    if token_dirs is not None:
-        dataset: Dataset = _token_data(token_dirs, seq_len, seed, tokens, vocab_size)
+    if task == "mlm":
+        lm_args = {"seq_len": seq_len, "seed": seed, "vocab_size": vocab_size, "val_fraction": val_fraction}
+        dataset: Dataset = _masked(source, token_dirs is not None, masking or MaskOptions(), tokens, **lm_args)
+    elif task == "text_classification":
+        sizes = {"seq_len": seq_len, "seed": seed, "vocab_size": vocab_size, "n_classes": classes}
+        dataset = _text_classes(
+            source, token_dirs is not None, text or TextOptions(), **sizes, val_fraction=val_fraction
+        )
+    elif token_dirs is not None:
+        dataset = _token_data(token_dirs, seq_len, seed, tokens, vocab_size)
     elif source == "digits" or source.endswith((".csv", ".csv.gz")):
         path = named_data_file("digits.csv.gz") if source == "digits" else Path(source)
         dataset = Digits(path, seed, partition=partition, replicas=replicas)
@@ -460,6 +484,14 @@ def make_dataset(
         dataset = byte_text(builtin_text(), seq_len, seed, val_fraction, name="builtin text")
     else:
         dataset = byte_text(read_text_file(Path(source)), seq_len, seed, val_fraction, name=f"'{source}'")
+    _check_made(dataset, source, task, vocab_size, features, classes, partition)
+    return dataset
+
+
+def _check_made(
+    dataset: Dataset, source: str, task: str, vocab_size: int, features: int, classes: int, partition: str
+) -> None:
+    """The dataset `source` named fits a model of kind `task` with these inputs and the data partition."""
     if dataset.task != task:
         raise DataError(f"data source '{source}' is for {dataset.task} models, but this model needs {task} data.")
     if isinstance(dataset, Digits) and (features != DIGIT_PIXELS or classes < DIGIT_CLASSES):
@@ -475,7 +507,43 @@ def make_dataset(
         )
     if task == "lm" and vocab_size < 256 and isinstance(dataset, TokenWindows):
         raise DataError(f"byte-level text needs vocab_size >= 256, the model has {vocab_size}.")
-    return dataset
+
+
+def _masked(
+    source: str,
+    tokenized: bool,
+    masking: MaskOptions,
+    tokens: TokenOptions,
+    *,
+    seq_len: int,
+    seed: int,
+    vocab_size: int,
+    val_fraction: float,
+) -> MaskedTokens:
+    """MLM rows over the language-model source `source` names: synthetic ids under a mask id of their own, tokenized
+    shards in their tokenizer's vocabulary, or byte-level text."""
+    lm_args = {"seq_len": seq_len, "seed": seed, "vocab_size": vocab_size}
+    if source == "synthetic":  # the last id is the mask, so no random token is one
+        text, vocab = SyntheticTokens(vocab_size - 1, seq_len, seed), synthetic_vocab(vocab_size)
+    elif tokenized:
+        text = make_dataset(source, "lm", tokens=tokens, **lm_args)
+        vocab = tokenizer_vocab(tokenizer_of(Path(text.names[0])).path)
+    else:
+        check_byte_vocab(vocab_size, "a masked language model")
+        text, vocab = make_dataset(source, "lm", val_fraction=val_fraction, **lm_args), byte_vocab()
+    return MaskedTokens(text, vocab, seq_len, seed, masking.rate, masking.whole_words)
+
+
+def _text_classes(source: str, tokenized: bool, text: TextOptions, **args: Any) -> Dataset:
+    """Text classification from the JSON-lines file `source` names, the generated task (builtin) or random ids
+    (`args`: `text_classes`'s)."""
+    if source in ("digits", "clicks") or tokenized:
+        raise DataError(
+            f"data source '{source}' holds no labelled texts: text classification reads JSON lines "
+            "(data.source=FILE.jsonl, with data.text_field and data.label_field), or data.source=builtin (a "
+            "generated task) or synthetic."
+        )
+    return text_classes(source, text, **args)
 
 
 def _token_data(
@@ -494,13 +562,14 @@ def _token_data(
 
 def check_dataset(dataset: object, task: str, seq_len: int, batch_size: int, vocab_size: int) -> Dataset:
     """`dataset`, one a caller brought (`jaxtrain.train(cfg, dataset=...)`), if it fits a model of kind `task`: it
-    has the `Dataset` protocol's `task`, `shapes` and `rows`, the model's task, and for a language model rows of
-    `seq_len + 1` tokens (and, where it says, ids under `vocab_size`). Else a `DataError` saying what to change."""
+    has the `Dataset` protocol's `task`, `shapes` and `rows`, the model's task, and for a model of sequences rows of
+    `seq_len + 1` tokens (a decoder's) or `seq_len` (an encoder's), and where it says, ids under `vocab_size`. Else a
+    `DataError` saying what to change."""
     missing = [name for name in ("task", "shapes", "rows") if not hasattr(dataset, name)]
     if missing:
         raise DataError(
-            f"dataset {type(dataset).__name__} has no {', '.join(missing)}: a dataset has a `task` (lm, "
-            "classification, clicks or custom), `shapes(batch_size)` and `rows(split, step, rows, batch_size)` "
+            f"dataset {type(dataset).__name__} has no {', '.join(missing)}: a dataset has a `task` (one of "
+            f"{', '.join(TASKS)}), `shapes(batch_size)` and `rows(split, step, rows, batch_size)` "
             "(jaxtrain.data.datasets.Dataset; e.g. TokenWindows for token ids in memory)."
         )
     if dataset.task != task:
@@ -508,15 +577,16 @@ def check_dataset(dataset: object, task: str, seq_len: int, batch_size: int, voc
             f"dataset {type(dataset).__name__} is for {dataset.task} models, but this model needs {task} data."
         )
     shapes = dataset.shapes(batch_size)
-    if task == "lm":
+    if task in SEQUENCE_TASKS:
         pairs = "pair_tokens" in shapes  # preference pairs (jaxtrain.data.pairs): two rows of tokens an example
         width = getattr(shapes.get("pair_tokens" if pairs else "tokens"), "shape", None)
-        expected = (batch_size, 2, seq_len + 1) if pairs else (batch_size, seq_len + 1)
+        next_token = task == "lm"  # a decoder's rows hold one token more than it reads: the last one's target
+        expected = (batch_size, *(2,) * pairs, seq_len + next_token)
         if width != expected:
             raise DataError(
                 f"dataset {type(dataset).__name__} gives tokens of shape {width}, but this run's batch is "
-                f"{expected} (batch_size, {'2, ' if pairs else ''}seq_len + 1): build the dataset with "
-                f"seq_len={seq_len}, or set the run's seq_len to the dataset's."
+                f"{expected} (batch_size, {'2, ' if pairs else ''}seq_len{' + 1' * next_token}): build the dataset "
+                f"with seq_len={seq_len}, or set the run's seq_len to the dataset's."
             )
         largest = getattr(dataset, "largest_id", None)
         if largest is not None and largest >= vocab_size:

@@ -1,10 +1,12 @@
-"""Hugging Face decoder architectures as settings of jaxtrain's decoder: one tensor table per architecture, and the
-config translation both ways.
+"""Hugging Face architectures as settings of jaxtrain's models: one tensor table per architecture, and the config
+translation both ways. This module holds what every architecture shares and the decoders (Llama, Mistral, Qwen2,
+Qwen3 as settings of `models/gpt.py`); `encoders` holds BERT's.
 
 A table row names a jaxtrain parameter, the Hugging Face tensor it is made of, and both layouts as dim letters
 (einops-like; parentheses merge dims): `d` the model width, `h` query heads, `g` key/value heads, `k` a head's
-channels, `f` the MLP width, `v` the vocabulary. A parameter under `blocks/` is stacked: its leading `layers` dim
-gathers the tensors `model.layers.{layer}....` of every layer.
+channels, `f` the MLP width, `v` the vocabulary (`encoders` adds its own). A parameter under a `blocks/` module
+(`blocks/w_q`, `encoder/blocks/w_q`) is stacked: its leading `layers` dim gathers the tensors of every layer, whose
+names hold `{layer}` (`model.layers.{layer}....`).
 
 What the layouts account for: PyTorch's Linear keeps its weight as (out, in), jaxtrain as (in, out) with the heads
 split out, e.g. q_proj (h k, d) is w_q (d, h, k). RoPE needs no permutation: jaxtrain rotates channel pairs
@@ -14,6 +16,7 @@ Meta-to-HF conversion scripts exists because Meta's original checkpoints pair ad
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 import re
@@ -40,7 +43,8 @@ class Tensor:
 
     @property
     def stacked(self) -> bool:
-        return self.param.startswith("blocks/")
+        """Whether the param stacks every layer's tensor: it lives in a `blocks` module."""
+        return "blocks" in self.param.split("/")[:-1]
 
     def name(self, layer: int | None = None) -> str:
         return self.hf_name.format(layer=layer)
@@ -112,13 +116,39 @@ QK_NORM = tuple(_layer(f"{p}_norm", f"self_attn.{p}_norm", "k", "k") for p in "q
 
 
 @dataclasses.dataclass(frozen=True)
-class Architecture:
-    """A Hugging Face causal LM class and its tensor table. `qkv_bias`, `qk_norm`: the class always has them;
-    `window`: its config's `sliding_window` applies to every layer (Mistral)."""
+class Architecture(abc.ABC):
+    """A Hugging Face model class, the registered jaxtrain model it is a setting of (`model`: "llama", "bert") and its
+    tensor table (`tensors`, the token embedding first). Each family says how config.json becomes the model's
+    settings and back, and which of a checkpoint's tensors carry nothing."""
 
     name: str
     model_type: str
+    model: str
     tensors: tuple[Tensor, ...]
+
+    @abc.abstractmethod
+    def settings(self, hf: dict[str, Any], source: str) -> dict[str, Any]:
+        """The jaxtrain model's settings equal to config.json `hf` (read from `source`); an error naming what has no
+        counterpart."""
+
+    @abc.abstractmethod
+    def config(self, model: Any, dtype: str, imported: dict[str, Any] | None = None) -> dict[str, Any]:
+        """config.json for jaxtrain model settings `model` as this class, over the config it was imported from."""
+
+    def tensors_of(self, model: Any) -> tuple[Tensor, ...]:
+        """The rows of every tensor of jaxtrain model settings `model`."""
+        return self.tensors
+
+    def ignorable(self, name: str, model: Any) -> bool:
+        """Whether checkpoint tensor `name`, which no row of `model`'s reads, carries nothing (else it is refused)."""
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderArchitecture(Architecture):
+    """A Hugging Face causal LM class as settings of jaxtrain's decoder. `qkv_bias`, `qk_norm`: the class always has
+    them; `window`: its config's `sliding_window` applies to every layer (Mistral)."""
+
     qkv_bias: bool = False
     qk_norm: bool = False
     window: bool = False
@@ -126,38 +156,54 @@ class Architecture:
     def table(self, tie_embeddings: bool) -> tuple[Tensor, ...]:
         return self.tensors + (() if tie_embeddings else (HEAD,))
 
+    def tensors_of(self, model: Any) -> tuple[Tensor, ...]:
+        return self.table(model.tie_embeddings)
 
-LLAMA = Architecture("LlamaForCausalLM", "llama", DECODER)
-MISTRAL = Architecture("MistralForCausalLM", "mistral", DECODER, window=True)
-QWEN2 = Architecture("Qwen2ForCausalLM", "qwen2", DECODER + QKV_BIAS, qkv_bias=True)
-QWEN3 = Architecture("Qwen3ForCausalLM", "qwen3", DECODER + QK_NORM, qk_norm=True)
-ARCHITECTURES = {a.name: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+    def settings(self, hf: dict[str, Any], source: str) -> dict[str, Any]:
+        return model_settings(self, hf, source)
+
+    def config(self, model: Any, dtype: str, imported: dict[str, Any] | None = None) -> dict[str, Any]:
+        return hf_config(self, model, dtype, imported)
+
+    def ignorable(self, name: str, model: Any) -> bool:
+        """RoPE's frequencies (recomputed), and a tied head's copy."""
+        return name.endswith("rotary_emb.inv_freq") or (name == HEAD.name() and model.tie_embeddings)
 
 
-def architecture(hf_config: dict[str, Any], source: str) -> Architecture:
-    """The architecture `hf_config` (a config.json read from `source`) names; an error naming it if unsupported."""
-    names = hf_config.get("architectures") or []
-    known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
-    if not known:
+LLAMA = DecoderArchitecture("LlamaForCausalLM", "llama", "llama", DECODER)
+MISTRAL = DecoderArchitecture("MistralForCausalLM", "mistral", "llama", DECODER, window=True)
+QWEN2 = DecoderArchitecture("Qwen2ForCausalLM", "qwen2", "llama", DECODER + QKV_BIAS, qkv_bias=True)
+QWEN3 = DecoderArchitecture("Qwen3ForCausalLM", "qwen3", "llama", DECODER + QK_NORM, qk_norm=True)
+DECODERS = {a.name: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+DECODER_MODELS = ("gpt", "llama")  # the registered models that are settings of the decoder
+
+
+def architecture(config: dict[str, Any], source: str, known: dict[str, Architecture]) -> Architecture:
+    """The architecture of `known` (by class name) that `config` (a config.json read from `source`) names; an error
+    naming it if none."""
+    names = config.get("architectures") or []
+    found = [known[n] for n in names if n in known]
+    if not found:
         raise ArchitectureError(
             f"{source}: architecture {', '.join(names) or '(none given)'} is not supported; jaxtrain imports "
-            f"{', '.join(ARCHITECTURES)}."
+            f"{', '.join(known)}."
         )
-    return known[0]
+    return found[0]
 
 
-# config.json keys that are decoder settings as they stand, both ways: (key, setting).
-SAME_FIELDS = (
+# config.json keys that are a transformer's settings as they stand, both ways, in every family: (key, setting).
+SHAPE_FIELDS = (
     ("vocab_size", "vocab_size"),
     ("num_hidden_layers", "n_layers"),
     ("hidden_size", "d_model"),
     ("num_attention_heads", "n_heads"),
     ("intermediate_size", "d_ff"),
-    ("rms_norm_eps", "norm_eps"),
 )
+# ... and the decoders'.
+SAME_FIELDS = (*SHAPE_FIELDS, ("rms_norm_eps", "norm_eps"))
 
 
-def model_settings(arch: Architecture, hf: dict[str, Any], source: str) -> dict[str, Any]:
+def model_settings(arch: DecoderArchitecture, hf: dict[str, Any], source: str) -> dict[str, Any]:
     """jaxtrain decoder settings (`models.gpt.GPTConfig` fields) equal to Hugging Face config `hf`."""
     missing = [key for key, _ in SAME_FIELDS if key not in hf]
     if missing:
@@ -177,7 +223,7 @@ def model_settings(arch: Architecture, hf: dict[str, Any], source: str) -> dict[
     }
 
 
-def _refuse_unsupported(arch: Architecture, hf: dict[str, Any], source: str) -> None:
+def _refuse_unsupported(arch: DecoderArchitecture, hf: dict[str, Any], source: str) -> None:
     """Settings jaxtrain's decoder has no equivalent of: an error naming the setting, never a wrong model."""
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
@@ -213,7 +259,7 @@ def _rope_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
-def architecture_for(model: Any, imported: dict[str, Any] | None = None) -> Architecture:
+def architecture_for(model: Any, imported: dict[str, Any] | None = None) -> DecoderArchitecture:
     """The Hugging Face architecture that computes jaxtrain decoder `model` (a GPTConfig): the one it was imported
     from when that still fits, else Qwen2 for q/k/v biases, Qwen3 for q/k norms, Mistral for a sliding window,
     Llama otherwise."""
@@ -227,7 +273,7 @@ def architecture_for(model: Any, imported: dict[str, Any] | None = None) -> Arch
     if model.sliding_window and (model.qkv_bias or model.qk_norm):
         raise ArchitectureError("a sliding window with qkv_bias or qk_norm: only Mistral's window is exported.")
     names = (imported or {}).get("architectures") or []
-    fits = [a for a in map(ARCHITECTURES.get, names) if a and _fits(a, model)]
+    fits = [a for a in map(DECODERS.get, names) if a and _fits(a, model)]
     if fits:
         return fits[0]
     if model.qkv_bias:
@@ -237,13 +283,15 @@ def architecture_for(model: Any, imported: dict[str, Any] | None = None) -> Arch
     return MISTRAL if model.sliding_window else LLAMA
 
 
-def _fits(arch: Architecture, model: Any) -> bool:
+def _fits(arch: DecoderArchitecture, model: Any) -> bool:
     return (
         arch.qkv_bias == model.qkv_bias and arch.qk_norm == model.qk_norm and (arch.window or not model.sliding_window)
     )
 
 
-def hf_config(arch: Architecture, model: Any, dtype: str, imported: dict[str, Any] | None = None) -> dict[str, Any]:
+def hf_config(
+    arch: DecoderArchitecture, model: Any, dtype: str, imported: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """config.json for decoder `model` as `arch`, over the config it was imported from (which keeps what jaxtrain
     does not model: token ids, context length)."""
     config = dict(imported or {})

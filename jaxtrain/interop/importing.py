@@ -1,4 +1,4 @@
-"""Import a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3) as a jaxtrain params export, onto any mesh.
+"""Import a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3; BERT) as a jaxtrain params export, onto any mesh.
 
     >>> import_hf("Llama-3.2-1B", "runs/llama-1b")                                   # doctest: +SKIP
     >>> source = HFCheckpoint("Llama-3.2-1B")                                         # doctest: +SKIP
@@ -26,7 +26,8 @@ import tomli_w
 from jax.experimental import multihost_utils
 
 from jaxtrain.errors import UserInputError
-from jaxtrain.interop.architectures import Architecture, Tensor, architecture, model_settings
+from jaxtrain.interop.architectures import DECODERS, Architecture, Tensor, architecture
+from jaxtrain.interop.encoders import ENCODERS
 from jaxtrain.interop.tensor_files import INDEX_FILE, TensorFileError, TensorFiles
 from jaxtrain.placement.place import place_model
 from jaxtrain.placement.shardings import Shardings
@@ -36,9 +37,13 @@ from jaxtrain.training.run_identity import config_json
 
 PyTree = Any
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
-# Every model setting is given, from config.json: the preset only names the decoder the registry builds.
-BASE_MODEL = "llama-tiny"
+ARCHITECTURES = {**DECODERS, **ENCODERS}  # every Hugging Face class import-hf reads, by name
+# Every model setting is given, from config.json: the preset only names the model the registry builds.
+BASE_PRESET = "tiny"
 PARAM_DTYPES = ("float32", "bfloat16")
+# Checkpoints older than transformers' LayerNorm names (bert-base-uncased's) call its tensors gamma and beta, which
+# transformers renames when it loads them: so does the import.
+LEGACY_NAMES = ((".LayerNorm.gamma", ".LayerNorm.weight"), (".LayerNorm.beta", ".LayerNorm.bias"))
 
 
 class HFImportError(UserInputError):
@@ -56,12 +61,13 @@ class HFCheckpoint:
                 f"{config_file} does not exist: give a Hugging Face model directory (save_pretrained's)."
             )
         self.config: dict[str, Any] = _config(config_file)
-        self.arch: Architecture = architecture(self.config, str(config_file))
+        self.arch: Architecture = architecture(self.config, str(config_file), ARCHITECTURES)
         self.files = TensorFiles(self.directory)
+        self.files.tensors = {_current_name(name): info for name, info in self.files.tensors.items()}
 
     def stored_dtype(self) -> str:
-        """The dtype of the checkpoint's weights (its embedding's), as jaxtrain names it."""
-        return str(self.files.info("model.embed_tokens.weight").dtype)
+        """The dtype of the checkpoint's weights (its token embedding's), as jaxtrain names it."""
+        return str(self.files.info(self.arch.tensors[0].name()).dtype)
 
     def run_config(self, dtype: str | None = None) -> RunConfig:
         """The run config of this model: its settings from config.json; params and compute in `dtype` (float32 or
@@ -69,16 +75,17 @@ class HFCheckpoint:
         dtype = dtype or self.stored_dtype()
         if dtype not in PARAM_DTYPES:
             raise HFImportError(f"dtype {dtype!r}: give --dtype float32 or bfloat16.")
-        model = {**model_settings(self.arch, self.config, str(self.directory / "config.json")), "dtype": dtype}
-        table = {"model_name": BASE_MODEL, "model": model, "data": {"source": "synthetic"}}
+        model = {**self.arch.settings(self.config, str(self.directory / "config.json")), "dtype": dtype}
+        table = {"model_name": f"{self.arch.model}-{BASE_PRESET}", "model": model, "data": {"source": "synthetic"}}
         return config_from_table(table, str(self.directory / "config.json"))
 
     def read_params(self, model: Any, abstract_params: PyTree) -> PyTree:
-        """Every parameter of decoder `model` (a GPTConfig) in `abstract_params`' shapes and dtypes (model layer
-        order): jax.Arrays, each device's shard read alone, where the ShapeDtypeStructs carry a sharding; numpy
-        arrays where they do not. Shapes are checked against the files before anything is read."""
-        table = {t.param: t for t in self.arch.table(model.tie_embeddings)}
-        self._check(table, abstract_params)
+        """Every parameter of `model` (the run config's model settings: a GPTConfig, an EncoderConfig) in
+        `abstract_params`' shapes and dtypes (model layer order): jax.Arrays, each device's shard read alone, where
+        the ShapeDtypeStructs carry a sharding; numpy arrays where they do not. Shapes are checked against the files
+        before anything is read."""
+        table = {t.param: t for t in self.arch.tensors_of(model)}
+        self._check(table, abstract_params, model)
         return jax.tree_util.tree_map_with_path(lambda path, x: self._param(table[_name(path)], x), abstract_params)
 
     def _param(self, tensor: Tensor, target: jax.ShapeDtypeStruct) -> jax.Array | np.ndarray:
@@ -98,7 +105,7 @@ class HFCheckpoint:
         parts = [tensor.from_hf(self.files.read(tensor.name(layer), hf_index), by_letter, sizes) for layer in layers]
         return (np.stack(parts) if tensor.stacked else parts[0]).astype(dtype, copy=False)
 
-    def _check(self, table: dict[str, Tensor], abstract_params: PyTree) -> None:
+    def _check(self, table: dict[str, Tensor], abstract_params: PyTree, model: Any) -> None:
         """Every tensor the model needs, in the shape config.json implies; no tensor it would leave unused."""
         needed = set()
         for path, target in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
@@ -115,7 +122,7 @@ class HFCheckpoint:
                         f"it {expected}. The weights and the config do not belong together: fix config.json or use "
                         "the weights saved with it."
                     )
-        unused = sorted(n for n in self.files.tensors if n not in needed and not _ignorable(n, table))
+        unused = sorted(n for n in self.files.tensors if n not in needed and not self.arch.ignorable(n, model))
         if unused:
             raise TensorFileError(
                 f"{self.directory} holds {len(unused)} tensor(s) that {self.arch.name} as configured has no place "
@@ -140,13 +147,16 @@ def _name(path: tuple) -> str:
     return "/".join(k.key for k in path)
 
 
-def _ignorable(name: str, table: dict[str, Tensor]) -> bool:
-    """Tensors a checkpoint may hold that carry nothing: RoPE's frequencies (recomputed), and a tied head's copy."""
-    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and "head" not in table)
+def _current_name(name: str) -> str:
+    """A tensor's name as transformers names it today: "...LayerNorm.gamma" -> "...LayerNorm.weight"."""
+    for old, new in LEGACY_NAMES:
+        if name.endswith(old):
+            return name.removesuffix(old) + new
+    return name
 
 
 def params_shardings(cfg: RunConfig, mesh: str, devices: list[jax.Device] | None = None) -> Shardings:
-    """The params' shardings for decoder `cfg.model` on layout `mesh` (no optimizer state), by its rules."""
+    """The params' shardings for model `cfg.model` on layout `mesh` (no optimizer state), by its rules."""
     return place_model(cfg.model_name, cfg.model, mesh, cfg.rules, devices=devices).shardings()
 
 

@@ -1,11 +1,14 @@
-"""Causal self-attention, one function with several implementations: what a decoder's attention layer calls.
+"""Self-attention, causal (a decoder's) or bidirectional (an encoder's), one function with several implementations:
+what a model's attention layer calls.
 
     >>> out = attention(q, k, v, implementation="auto", segment_ids=doc_ids, sliding_window=4096)  # doctest: +SKIP
+    >>> out = attention(q, k, v, segment_ids=doc_ids, causal=False)  # an encoder's              # doctest: +SKIP
 
 q is (B, T, H, K); k and v are (B, T, G, K) with G dividing H (grouped-query attention: query head h reads kv head
 h // (H // G); G == 1 is multi-query). Scores are scaled by 1/sqrt(K), softmax statistics are float32, the output
-is (B, T, H, K) in q's dtype. `segment_ids` (B, T) marks packed documents (contiguous runs of one id): a token
-attends only to earlier tokens of its own run. `sliding_window` W: query t attends keys s with t - W < s <= t.
+is (B, T, H, K) in q's dtype. `segment_ids` (B, T) marks packed documents (contiguous runs of one id; id 0, padding,
+is one more run): a token attends only to tokens of its own run, and with `causal` (the default) only to earlier
+ones. `sliding_window` W (causal only): query t attends keys s with t - W < s <= t.
 
 Implementations (`IMPLEMENTATIONS`):
 - `reference`: einsum scores with an explicit boolean mask; memory grows with T².
@@ -33,6 +36,7 @@ from jaxtrain.errors import UserInputError
 from jaxtrain.ops.blockwise import (
     CHUNK,
     MASKED,
+    Visibility,
     attends,
     block_gradients,
     block_positions,
@@ -73,25 +77,29 @@ def attention(
     *,
     implementation: str = "auto",
     segment_ids: jax.Array | None = None,
+    causal: bool = True,
     sliding_window: int | None = None,
     interpret: bool = False,
     context_parallel: str = "ring",
     kernels: str = "fused",
 ) -> jax.Array:
-    """Causal self-attention of q (B, T, H, K) over k, v (B, T, G, K) -> (B, T, H, K) in q's dtype.
+    """Self-attention of q (B, T, H, K) over k, v (B, T, G, K) -> (B, T, H, K) in q's dtype.
 
-    `implementation`: one of IMPLEMENTATIONS. `segment_ids` (B, T) int: packed documents. `sliding_window` W: query
-    t sees keys t - W < s <= t. `interpret`: run the splash kernel in the Pallas interpreter on any backend (tests).
+    `implementation`: one of IMPLEMENTATIONS. `segment_ids` (B, T) int: packed documents. `causal`: query t sees
+    keys s <= t of its document (a decoder's); False: every key of its document (an encoder's). `sliding_window` W
+    (causal only): query t sees keys t - W < s <= t. `interpret`: run the splash kernel in the Pallas interpreter on
+    any backend (tests).
     `context_parallel`: one of CONTEXT_PARALLEL, the algorithm where the active rules split the sequence over
     devices; q, k, v and segment_ids are then in the layout of `jaxtrain.ops.sequence`. `kernels="plain"`: a fused
     implementation computes as the reference under `jax.checkpoint` (`jaxtrain.ops.plain`).
     """
-    _check_inputs(q, k, v, segment_ids, sliding_window)
+    visibility = Visibility(causal, sliding_window)
+    _check_inputs(q, k, v, segment_ids, visibility)
     if kernels not in KERNELS:
         raise AttentionError(f"kernels='{kernels}': use one of {', '.join(KERNELS)}.")
     if sequence_axes(q.shape[1]):
         return context_attention(
-            q, k, v, segment_ids, sliding_window, algorithm=context_parallel, implementation=implementation
+            q, k, v, segment_ids, visibility, algorithm=context_parallel, implementation=implementation
         )
     platform = "tpu" if interpret else active_platform()
     chosen = resolve_implementation(implementation, platform, q.shape[1], q.dtype, packed=segment_ids is not None)
@@ -104,7 +112,7 @@ def attention(
     if kernels == "plain" and chosen in _FUSED:
         # The reference's numbers with a fused kernel's memory, which keeps q, k and v for the backward pass and
         # computes the scores again there.
-        return jax.checkpoint(_reference, static_argnums=(4,))(q, k, v, segment_ids, sliding_window)
+        return jax.checkpoint(_reference, static_argnums=(4,))(q, k, v, segment_ids, visibility)
     run = {
         "reference": _reference,
         "xla": _xla,
@@ -112,7 +120,7 @@ def attention(
         "splash": functools.partial(_splash, interpret=interpret),
         "chunked": _chunked,
     }[chosen]
-    return run(q, k, v, segment_ids, sliding_window)
+    return run(q, k, v, segment_ids, visibility)
 
 
 _FUSED = ("chunked", "cudnn", "splash")  # never hold a (T, T) score matrix
@@ -195,15 +203,18 @@ def _query_key_scores_bwd(residuals, d_scores):
 _query_key_scores.defvjp(_query_key_scores_fwd, _query_key_scores_bwd)
 
 
-def causal_mask(seq_len: int, segment_ids: jax.Array | None = None, sliding_window: int | None = None) -> jax.Array:
-    """(B or 1, T, T) bool: query t may attend key s (causal, within its segment and the window)."""
+def causal_mask(
+    seq_len: int, segment_ids: jax.Array | None = None, sliding_window: int | None = None, *, causal: bool = True
+) -> jax.Array:
+    """(B or 1, T, T) bool: query t may attend key s: within its segment, and with `causal` (the default) s <= t
+    and inside the window."""
     positions = jnp.arange(seq_len)
     same_segment = None if segment_ids is None else segment_ids[:, :, None] == segment_ids[:, None, :]
-    mask = attends(positions, positions, same_segment, sliding_window)
+    mask = attends(positions, positions, same_segment, Visibility(causal, sliding_window))
     return mask if mask.ndim == 3 else mask[None]
 
 
-def _check_inputs(q, k, v, segment_ids, sliding_window) -> None:
+def _check_inputs(q, k, v, segment_ids, visibility: Visibility) -> None:
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise AttentionError(
             f"attention takes q (B, T, H, K) and k, v (B, T, G, K) of equal shapes; got q {q.shape}, k {k.shape}, "
@@ -215,8 +226,14 @@ def _check_inputs(q, k, v, segment_ids, sliding_window) -> None:
     _check_heads(heads, groups)
     if segment_ids is not None and segment_ids.shape != (batch, seq_len):
         raise AttentionError(f"segment_ids {segment_ids.shape} must be (batch, seq) = {(batch, seq_len)}.")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise AttentionError(f"sliding_window {sliding_window!r} must be a positive int (tokens seen) or None.")
+    window = visibility.window
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise AttentionError(f"sliding_window {window!r} must be a positive int (tokens seen) or None.")
+    if window is not None and not visibility.causal:
+        raise AttentionError(
+            f"sliding_window needs causal attention: got sliding_window={window} with causal=False; use "
+            f"sliding_window=None for bidirectional attention, or causal=True."
+        )
 
 
 def _check_heads(heads: int, groups: int) -> None:
@@ -227,14 +244,16 @@ def _check_heads(heads: int, groups: int) -> None:
         )
 
 
-def _reference(q, k, v, segment_ids, window) -> jax.Array:
-    return masked_attention(q, k, v, causal_mask(q.shape[1], segment_ids, window))
+def _reference(q, k, v, segment_ids, visibility: Visibility) -> jax.Array:
+    mask = causal_mask(q.shape[1], segment_ids, visibility.window, causal=visibility.causal)
+    return masked_attention(q, k, v, mask)
 
 
-def _xla(q, k, v, segment_ids, window) -> jax.Array:
+def _xla(q, k, v, segment_ids, visibility: Visibility) -> jax.Array:
     mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    window = _left_window(visibility.window)
     return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=True, local_window_size=_left_window(window), implementation="xla"
+        q, k, v, mask=mask, is_causal=visibility.causal, local_window_size=window, implementation="xla"
     )
 
 
@@ -243,7 +262,7 @@ def _left_window(window: int | None) -> tuple[int, int] | None:
     return None if window is None else (window - 1, 0)
 
 
-def _cudnn(q, k, v, segment_ids, window) -> jax.Array:
+def _cudnn(q, k, v, segment_ids, visibility: Visibility) -> jax.Array:
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise AttentionError(
             f"attention implementation 'cudnn' takes bfloat16 or float16 q/k/v, got {q.dtype}: compute in bf16, or "
@@ -251,30 +270,33 @@ def _cudnn(q, k, v, segment_ids, window) -> jax.Array:
         )
     k, v, kv_names = kv_split_like_q(q, k, v)
     if segment_ids is None:
-        kernel = functools.partial(_cudnn_causal, window=window)
+        kernel = functools.partial(_cudnn_unpacked, visibility=visibility)
         return per_device(kernel, [_Q, kv_names, kv_names], _Q)(q, k, v)
-    kernel = functools.partial(_cudnn_packed, window=window)
+    kernel = functools.partial(_cudnn_packed, visibility=visibility)
     return per_device(kernel, [_Q, kv_names, kv_names, _SEGMENTS], _Q)(q, k, v, segment_ids)
 
 
-def _cudnn_causal(q, k, v, *, window) -> jax.Array:
+def _cudnn_unpacked(q, k, v, *, visibility: Visibility) -> jax.Array:
     # Per device: q (b, T, h, K), k and v (b, T, g, K).
+    window = _left_window(visibility.window)
     return _cudnn_call(
         jax.nn.dot_product_attention,
-        q, k, v, is_causal=True, local_window_size=_left_window(window), implementation="cudnn",
+        q, k, v, is_causal=visibility.causal, local_window_size=window, implementation="cudnn",
     )  # fmt: skip
 
 
-def _cudnn_packed(q, k, v, segment_ids, *, window) -> jax.Array:
+def _cudnn_packed(q, k, v, segment_ids, *, visibility: Visibility) -> jax.Array:
     """Packed documents through cuDNN's segment offsets (its THD layout): jax.nn.dot_product_attention has no
     segment ids, and a (B, 1, T, T) mask would cost the T² memory the kernel exists to avoid."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     offsets, lengths = _segment_offsets(segment_ids)  # per device: (b, T + 1), (b, T)
+    # PADDING: each packed document attends within itself, as its offsets and lengths delimit it.
+    mask_type = cudnn.MaskType.PADDING_CAUSAL if visibility.causal else cudnn.MaskType.PADDING
     return _cudnn_call(
         cudnn.dot_product_attention,
         q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
-        scale=1 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=window,
+        scale=1 / math.sqrt(q.shape[-1]), mask_type=mask_type, sliding_window_length=visibility.window,
     )  # fmt: skip
 
 
@@ -337,25 +359,24 @@ def _segment_offsets(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return offsets.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
-def _splash(q, k, v, segment_ids, window, *, interpret: bool) -> jax.Array:
+def _splash(q, k, v, segment_ids, visibility: Visibility, *, interpret: bool) -> jax.Array:
     k, v, kv_names = kv_split_like_q(q, k, v)
-    kernel = functools.partial(_splash_per_device, window=window, interpret=interpret)
+    kernel = functools.partial(_splash_per_device, visibility=visibility, interpret=interpret)
     if segment_ids is None:
         return per_device(kernel, [_Q, kv_names, kv_names], _Q)(q, k, v)
     return per_device(kernel, [_Q, kv_names, kv_names, _SEGMENTS], _Q)(q, k, v, segment_ids)
 
 
-def _splash_per_device(q, k, v, segment_ids=None, *, window, interpret) -> jax.Array:
+def _splash_per_device(q, k, v, segment_ids=None, *, visibility: Visibility, interpret) -> jax.Array:
     """Per device: q (b, T, h, K), k and v (b, T, g, K), segment_ids (b, T) -> (b, T, h, K)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
     seq_len, heads, head_dim = q.shape[1:]
     padded = -(-seq_len // _SPLASH_BLOCK) * _SPLASH_BLOCK
     # The kernel takes one example's (heads, T, K), T a multiple of its blocks, and leaves scaling to the caller.
-    # Padding goes at the end, where causality hides it from every real query.
     q, k, v = (pad_seq(x, padded).transpose(0, 2, 1, 3) for x in (q * (1 / math.sqrt(head_dim)), k, v))
-    segments = None if segment_ids is None else pad_seq(segment_ids, padded)
-    kernel = _splash_kernel(heads, padded, window, interpret)
+    segments = _splash_segments(segment_ids, q.shape[0], seq_len, padded, visibility.causal)
+    kernel = _splash_kernel(heads, padded, visibility, interpret)
 
     def one_example(q, k, v, segments):
         ids = None if segments is None else splash.SegmentIds(q=segments, kv=segments)
@@ -365,12 +386,26 @@ def _splash_per_device(q, k, v, segment_ids=None, *, window, interpret) -> jax.A
     return out.transpose(0, 2, 1, 3)[:, :seq_len].astype(q.dtype)
 
 
-def _splash_kernel(heads: int, seq_len: int, window: int | None, interpret: bool):
+def _splash_segments(segment_ids, batch: int, seq_len: int, padded: int, causal: bool) -> jax.Array | None:
+    """The kernel's segment ids (b, T') for a sequence padded at its end from T to T', or None: causality hides
+    the padding from every real query; without it an id no real token has (-1) does."""
+    if causal or padded == seq_len:
+        return None if segment_ids is None else pad_seq(segment_ids, padded)
+    ids = jnp.zeros((batch, seq_len), jnp.int32) if segment_ids is None else segment_ids
+    return pad_seq(ids, padded, -1)
+
+
+def _splash_kernel(heads: int, seq_len: int, visibility: Visibility, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    shape = (seq_len, seq_len)
-    one_head = masks.CausalMask(shape) if window is None else masks.LocalMask(shape, (window - 1, 0), offset=0)
+    shape, window = (seq_len, seq_len), visibility.window
+    if not visibility.causal:
+        one_head = masks.FullMask(shape)
+    elif window is None:
+        one_head = masks.CausalMask(shape)
+    else:
+        one_head = masks.LocalMask(shape, (window - 1, 0), offset=0)
     block = max(b for b in (512, 256, 128) if seq_len % b == 0)
     sizes = splash.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block,
@@ -387,16 +422,23 @@ def chunked_attention(
     v: jax.Array,
     *,
     segment_ids: jax.Array | None = None,
+    causal: bool = True,
     sliding_window: int | None = None,
     block_size: int = CHUNK,
 ) -> jax.Array:
     """`attention(..., implementation="chunked")` with its block length: blockwise online-softmax attention.
 
-    Query block i visits only the key blocks at or below the diagonal and inside the window; the backward
-    recomputes each block's probabilities from the saved output and log-sum-exp (FlashAttention-2), so memory
-    grows linearly in T. T need not divide by `block_size`: the sequence is padded at its end.
+    Query block i visits only the key blocks its queries see: causal, those at or below the diagonal and inside the
+    window; else all. The backward recomputes each block's probabilities from the saved output and log-sum-exp
+    (FlashAttention-2), so memory grows linearly in T. T need not divide by `block_size`: the sequence is padded at
+    its end, with a segment id (-1) no real token has.
     """
-    _check_inputs(q, k, v, segment_ids, sliding_window)
+    visibility = Visibility(causal, sliding_window)
+    _check_inputs(q, k, v, segment_ids, visibility)
+    return _chunked(q, k, v, segment_ids, visibility, block_size)
+
+
+def _chunked(q, k, v, segment_ids, visibility: Visibility, block_size: int = CHUNK) -> jax.Array:
     batch, seq_len, heads, head_dim = q.shape
     groups = k.shape[2]
     block = min(block_size, seq_len)
@@ -407,22 +449,18 @@ def chunked_attention(
 
     q_blocks = to_blocks(q.reshape(batch, seq_len, groups, heads // groups, head_dim), block, padded)
     kv_blocks = (to_blocks(x, block, padded) for x in (k, v))  # (n, B, G, b, K)
-    out = _flash(sliding_window, q_blocks, *kv_blocks, to_blocks(segment_ids, block, padded, -1))
+    out = _flash(visibility, q_blocks, *kv_blocks, to_blocks(segment_ids, block, padded, -1))
     return from_blocks(out)[:, :seq_len]
-
-
-def _chunked(q, k, v, segment_ids, window) -> jax.Array:
-    return chunked_attention(q, k, v, segment_ids=segment_ids, sliding_window=window)
 
 
 # Inside the blockwise kernel: q (n, B, G, J, b, K) with J = H/G query heads per kv head, k and v (n, B, G, b, K),
 # segments (n, B, b), the output like q, lse (n, B, G, J, b) float32; n blocks of b tokens.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(window, q, k, v, segments) -> jax.Array:
-    return _flash_forward(window, q, k, v, segments)[0]
+def _flash(visibility, q, k, v, segments) -> jax.Array:
+    return _flash_forward(visibility, q, k, v, segments)[0]
 
 
-def _flash_forward(window, q, k, v, segments) -> tuple[jax.Array, jax.Array]:
+def _flash_forward(visibility, q, k, v, segments) -> tuple[jax.Array, jax.Array]:
     """(output, log-sum-exp) by the online softmax over each query block's visible key blocks."""
     block = q.shape[-2]
     positions = block_positions(q.shape[0], block)
@@ -430,21 +468,22 @@ def _flash_forward(window, q, k, v, segments) -> tuple[jax.Array, jax.Array]:
     def query_block(i):
         def visit(j, carry):
             return online_softmax_step(
-                window, carry, q[i], k[j], v[j], (segments[i], segments[j]), (positions[i], positions[j])
+                visibility, carry, q[i], k[j], v[j], (segments[i], segments[j]), (positions[i], positions[j])
             )
 
         init = _varying_like(empty_softmax_state(q.shape[1:]), q, k, v, segments)
-        return finish_softmax(jax.lax.fori_loop(_first_key_block(i, window, block), i + 1, visit, init), q.dtype)
+        keys = _key_block_range(i, visibility, block, q.shape[0])
+        return finish_softmax(jax.lax.fori_loop(*keys, visit, init), q.dtype)
 
     return jax.lax.map(query_block, jnp.arange(q.shape[0]))
 
 
-def _flash_fwd(window, q, k, v, segments):
-    out, lse = _flash_forward(window, q, k, v, segments)
+def _flash_fwd(visibility, q, k, v, segments):
+    out, lse = _flash_forward(visibility, q, k, v, segments)
     return out, (q, k, v, segments, out, lse)
 
 
-def _flash_bwd(window, residuals, d_out):
+def _flash_bwd(visibility, residuals, d_out):
     """FlashAttention-2's backward: per key block, the dk and dv of every query block that sees it, with the
     probabilities recomputed from the saved log-sum-exp; dq accumulates across key blocks."""
     q, k, v, segments, out, lse = residuals
@@ -457,12 +496,13 @@ def _flash_bwd(window, residuals, d_out):
             dk, dv, dq = carry
             residuals = (lse[i], delta[i], d_out[i])
             dq_i, dk_j, dv_j = block_gradients(
-                window, q[i], k[j], v[j], (segments[i], segments[j]), (positions[i], positions[j]), residuals
+                visibility, q[i], k[j], v[j], (segments[i], segments[j]), (positions[i], positions[j]), residuals
             )
             return dk + dk_j, dv + dv_j, dq.at[i].add(dq_i)
 
         zeros = _varying_like(jnp.zeros(k.shape[1:]), q, k, v, segments, d_out)
-        dk, dv, dq = jax.lax.fori_loop(j, _last_query_block(j, window, block, count) + 1, visit, (zeros, zeros, dq))
+        queries = _query_block_range(j, visibility, block, count)
+        dk, dv, dq = jax.lax.fori_loop(*queries, visit, (zeros, zeros, dq))
         return dq, (dk, dv)
 
     dq = _varying_like(jnp.zeros(q.shape), q, k, v, segments, d_out)
@@ -480,11 +520,20 @@ def _varying_like(init, *arrays):
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), init) if axes else init
 
 
-def _first_key_block(i, window: int | None, block: int):
-    """The first key block any query of block i sees: 0, or where its first query's window starts."""
-    return 0 if window is None else jnp.maximum(0, (i * block - window + 1) // block)
+def _key_block_range(i, visibility: Visibility, block: int, count: int):
+    """The key blocks [start, stop) that any query of block i (of `count`) sees: causal, from 0 or where its first
+    query's window starts, to block i; else all."""
+    if not visibility.causal:
+        return 0, count
+    window = visibility.window
+    return (0 if window is None else jnp.maximum(0, (i * block - window + 1) // block)), i + 1
 
 
-def _last_query_block(j, window: int | None, block: int, count: int):
-    """The last query block that sees any key of block j: the last, or where its last key leaves the windows."""
-    return count - 1 if window is None else jnp.minimum(count - 1, (j * block + block + window - 2) // block)
+def _query_block_range(j, visibility: Visibility, block: int, count: int):
+    """The query blocks [start, stop) that see any key of block j (of `count`): causal, from block j to the last,
+    or to where its last key leaves the windows; else all."""
+    if not visibility.causal:
+        return 0, count
+    window = visibility.window
+    last = count - 1 if window is None else jnp.minimum(count - 1, (j * block + block + window - 2) // block)
+    return j, last + 1

@@ -1,7 +1,7 @@
 """The pieces of blockwise attention that the `chunked` kernel (`jaxtrain.ops.attention`) and context parallelism
-(`jaxtrain.ops.context_attention`) share: the sequence in blocks, one block pair's masked scores, the online
-softmax's step over a key block, and one block pair's share of the FlashAttention-2 backward; and how k and v are
-split for a per-device kernel.
+(`jaxtrain.ops.context_attention`) share: which keys a query sees (`Visibility`), the sequence in blocks, one block
+pair's masked scores, the online softmax's step over a key block, and one block pair's share of the FlashAttention-2
+backward; and how k and v are split for a per-device kernel.
 
 Shapes: q blocks (B, G, J, b, K) with J = H/G query heads per kv head; k and v blocks (B, G, s, K); a block's
 segment ids (B, b) and positions in the natural sequence (b,), which the mask is built from.
@@ -9,6 +9,7 @@ segment ids (B, b) and positions in the natural sequence (b,), which the mask is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -23,11 +24,24 @@ MASKED = -1e30  # finite, so a fully masked row gives zeros, not NaN, in the onl
 einsum32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
 
 
-def attends(q_pos: jax.Array, k_pos: jax.Array, same_segment: jax.Array | None, window: int | None) -> jax.Array:
-    """(..., Tq, Tk) bool from query and key positions: causal, within the window, within the segment."""
-    ok = q_pos[:, None] >= k_pos[None, :]
-    if window is not None:
-        ok &= q_pos[:, None] - k_pos[None, :] < window
+@dataclasses.dataclass(frozen=True)
+class Visibility:
+    """Which keys of its segment a query sees: with `causal`, those at or before it, and of those the last `window`
+    (None: all); without, every key. Static and hashable: it decides which block pairs a kernel computes, so it is
+    part of the compiled program, as the kernels' nondiff arguments are."""
+
+    causal: bool = True
+    window: int | None = None
+
+
+def attends(q_pos: jax.Array, k_pos: jax.Array, same_segment: jax.Array | None, visibility: Visibility) -> jax.Array:
+    """(..., Tq, Tk) bool from query and key positions: within the segment, and as `visibility` says."""
+    if visibility.causal:
+        ok = q_pos[:, None] >= k_pos[None, :]
+        if visibility.window is not None:
+            ok &= q_pos[:, None] - k_pos[None, :] < visibility.window
+    else:
+        ok = jnp.ones((q_pos.shape[0], k_pos.shape[0]), bool)
     return ok if same_segment is None else ok & same_segment
 
 
@@ -79,11 +93,11 @@ def empty_softmax_state(q_block_shape: tuple[int, ...]) -> SoftmaxState:
     return jnp.full(rows, MASKED), jnp.zeros(rows), jnp.zeros(q_block_shape)
 
 
-def online_softmax_step(window, state, q_block, k_block, v_block, segments, positions) -> SoftmaxState:
+def online_softmax_step(visibility, state, q_block, k_block, v_block, segments, positions) -> SoftmaxState:
     """`state` after the query rows of q_block (B, G, J, b, K) have also seen the keys of k_block, v_block
     (B, G, s, K); `segments` and `positions` are (query, key) pairs of (B, b) and (b,) arrays."""
     top, total, acc = state  # running max, sum of exp and weighted values of this block's rows
-    scores, allowed = block_scores(window, q_block, k_block, *segments, *positions)
+    scores, allowed = block_scores(visibility, q_block, k_block, *segments, *positions)
     new_top = jnp.maximum(top, scores.max(axis=-1))
     probs = jnp.where(allowed, jnp.exp(scores - new_top[..., None]), 0.0)
     rescale = jnp.exp(top - new_top)
@@ -103,11 +117,11 @@ def output_dot(out: jax.Array, d_out: jax.Array) -> jax.Array:
     return jnp.einsum("...qk,...qk->...q", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
 
-def block_gradients(window, q_block, k_block, v_block, segments, positions, residuals):
+def block_gradients(visibility, q_block, k_block, v_block, segments, positions, residuals):
     """(dq of q_block, dk and dv of k_block and v_block), float32, from one query block against one key block: the
     probabilities recomputed from the rows' log-sum-exp. `residuals`: the query rows' (lse, delta, d_out)."""
     lse, delta, d_out = residuals
-    scores, allowed = block_scores(window, q_block, k_block, *segments, *positions)
+    scores, allowed = block_scores(visibility, q_block, k_block, *segments, *positions)
     probs = jnp.where(allowed, jnp.exp(scores - lse[..., None]), 0.0)  # (B, G, J, b, s)
     dv = einsum32("bgjqs,bgjqk->bgsk", probs.astype(d_out.dtype), d_out)
     d_probs = einsum32("bgjqk,bgsk->bgjqs", d_out, v_block)
@@ -117,11 +131,11 @@ def block_gradients(window, q_block, k_block, v_block, segments, positions, resi
     return einsum32("bgjqs,bgsk->bgjqk", d_scores, k_block), dk, dv
 
 
-def block_scores(window, q_block, k_block, q_segments, k_segments, q_pos, k_pos) -> tuple[jax.Array, jax.Array]:
+def block_scores(visibility, q_block, k_block, q_segments, k_segments, q_pos, k_pos) -> tuple[jax.Array, jax.Array]:
     """Scaled scores (B, G, J, b, s) float32 of a query block against a key block whose positions in the sequence
     are q_pos (b,) and k_pos (s,), masked, and the mask."""
     scores = einsum32("bgjqk,bgsk->bgjqs", q_block, k_block)
     scores = scores / math.sqrt(q_block.shape[-1])
     same_segment = (q_segments[:, :, None] == k_segments[:, None, :])[:, None, None]  # (B, 1, 1, b, s)
-    allowed = attends(q_pos, k_pos, same_segment, window)
+    allowed = attends(q_pos, k_pos, same_segment, visibility)
     return jnp.where(allowed, scores, MASKED), allowed

@@ -1,4 +1,4 @@
-"""Causal attention over a sequence split across devices (context parallelism): `ring` and `allgather`.
+"""Attention over a sequence split across devices (context parallelism): `ring` and `allgather`.
 
 `attention` comes here when the activation rules split the `seq` dim (the `context` mesh axis, C devices). Each
 device holds T/C positions of every sequence, in the zig-zag layout of `jaxtrain.ops.sequence` (chunks r and
@@ -16,10 +16,11 @@ The custom VJP wraps the per-device programs (`per_device`), so the forward and 
 `shard_map`; `jaxtrain.planner.context` models the bytes they send.
 
 Both compute with the blockwise online softmax of the `chunked` kernel (`jaxtrain.ops.attention`), on blocks of at
-most 512 positions inside the zig-zag chunks, and skip a block pair no query of which may see any key: per device
-the causal work is then what the layout assigns it (balanced by zig-zag). The mask is built from each slot's position
-in the natural sequence, so it holds for any layout; segment ids and a sliding window apply as in `attention`.
-Every query sees at least itself, so no row is empty after all steps.
+most 512 positions inside the zig-zag chunks, and under a causal mask skip a block pair no query of which may see any
+key: per device the causal work is then what the layout assigns it (balanced by zig-zag). Bidirectional attention
+(`causal=False`) computes every block pair, the same work on every device in any layout. The mask is built from each
+slot's position in the natural sequence, so it holds for any layout; segment ids and a sliding window apply as in
+`attention`. Every query sees at least itself, so no row is empty after all steps.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from jaxtrain.errors import UserInputError
 from jaxtrain.ops.blockwise import (
     CHUNK,
+    Visibility,
     block_gradients,
     empty_softmax_state,
     finish_softmax,
@@ -71,9 +73,12 @@ def sequence_axes(seq_len: int) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def context_attention(q, k, v, segment_ids, window, *, algorithm: str, implementation: str) -> jax.Array:
-    """Causal attention of q (B, T, H, K) over k, v (B, T, G, K) whose `seq` dim the active rules split, in the
-    sequence layout of `jaxtrain.ops.sequence`, by `algorithm` (one of CONTEXT_PARALLEL)."""
+def context_attention(
+    q, k, v, segment_ids, visibility: Visibility, *, algorithm: str, implementation: str
+) -> jax.Array:
+    """Attention of q (B, T, H, K) over k, v (B, T, G, K) whose `seq` dim the active rules split, in the sequence
+    layout of `jaxtrain.ops.sequence`, by `algorithm` (one of CONTEXT_PARALLEL); `visibility`: which keys of its
+    segment a query sees."""
     seq_len = q.shape[1]
     axes, ways = sequence_axes(seq_len), split_ways("seq")
     _check(algorithm, implementation, axes, ways)
@@ -82,7 +87,7 @@ def context_attention(q, k, v, segment_ids, window, *, algorithm: str, implement
         segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
     k, v, kv_names = kv_split_like_q(q, k, v, seq="seq")
     names = (_Q, kv_names, kv_names, ("seq",), _SEGMENTS)
-    split = _Split(algorithm, axes, ways, window, names, active_placement())
+    split = _Split(algorithm, axes, ways, visibility, names, active_placement())
     return _split_attention(split, q, k, v, positions, segment_ids)
 
 
@@ -109,13 +114,13 @@ def block_len(local_len: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Split:
-    """How a split sequence's attention runs: the algorithm, the mesh axes and ways it is split over, the window,
-    and the dim names of the arguments (q, k, v, positions, segments)."""
+    """How a split sequence's attention runs: the algorithm, the mesh axes and ways it is split over, which keys a
+    query sees, and the dim names of the arguments (q, k, v, positions, segments)."""
 
     algorithm: str
     axes: tuple[str, ...]
     ways: int
-    window: int | None
+    visibility: Visibility
     in_names: tuple
     placement: tuple = dataclasses.field(compare=False)  # the forward's mesh and rules, for the backward
 
@@ -156,7 +161,7 @@ def _forward(split: _Split, q, k, v, positions, segments) -> tuple[jax.Array, ja
     """Per device: q (b, t, H, K), k, v (b, t, G, K), positions (t,), segments (b, t) -> the output (b, t, H, K)
     and log-sum-exp (b, t, H)."""
     queries, keys, steps = _blocks(split, q, k, v, positions, segments)
-    out, lse = _ring_forward(split.axes, steps, split.window, queries, keys)
+    out, lse = _ring_forward(split.axes, steps, split.visibility, queries, keys)
     return from_blocks(out), _lse_from_blocks(lse)
 
 
@@ -164,7 +169,7 @@ def _backward(split: _Split, q, k, v, positions, segments, out, lse, d_out):
     """Per device: dq, dk, dv of `_forward`'s arguments from its output, log-sum-exp and the output's cotangent."""
     queries, keys, steps = _blocks(split, q, k, v, positions, segments)
     rows = (_lse_to_blocks(lse, queries[0].shape), _query_blocks(out, queries[0]), _query_blocks(d_out, queries[0]))
-    dq, dk, dv = _ring_backward(split.axes, steps, split.window, queries, keys, rows)
+    dq, dk, dv = _ring_backward(split.axes, steps, split.visibility, queries, keys, rows)
     dk, dv = from_blocks(dk), from_blocks(dv)
     if split.algorithm == "allgather":  # each device's share of the gathered keys' gradients, summed in float32
         dk, dv = (jax.lax.psum_scatter(x, split.axes, scatter_dimension=1, tiled=True) for x in (dk, dv))
@@ -213,19 +218,19 @@ def _lse_to_blocks(lse: jax.Array, q_blocks_shape: tuple[int, ...]) -> jax.Array
     return lse.reshape(batch, count, block, groups, per_group).transpose(1, 0, 3, 4, 2)
 
 
-def _ring_forward(axes, steps, window, queries, keys) -> tuple[jax.Array, jax.Array]:
+def _ring_forward(axes, steps, visibility, queries, keys) -> tuple[jax.Array, jax.Array]:
     """(output, log-sum-exp) of the query blocks over the keys of `steps` devices round the ring (1: the keys
     here only)."""
     q = queries[0]
     state = empty_softmax_state(q.shape)
     for step in range(steps):
         arriving = _pass_on(keys, axes, steps) if step < steps - 1 else None  # issued first: overlaps the compute
-        state = _attend(window, state, queries, keys)
+        state = _attend(visibility, state, queries, keys)
         keys = arriving
     return finish_softmax(state, q.dtype)
 
 
-def _ring_backward(axes, steps, window, queries, keys, rows):
+def _ring_backward(axes, steps, visibility, queries, keys, rows):
     """dq, dk, dv (float32 blocks) of `_ring_forward`; `rows`: the query rows' (lse, out, d_out). The keys go round
     again, each with its dK and dV, which every device adds to and which reach their own device one step after the
     last; dQ stays."""
@@ -235,7 +240,7 @@ def _ring_backward(axes, steps, window, queries, keys, rows):
     dq, dk, dv = jnp.zeros(q.shape), jnp.zeros(k.shape), jnp.zeros(v.shape)
     for step in range(steps):
         arriving = _pass_on(keys, axes, steps) if step < steps - 1 else None
-        dq, dk, dv = _attend_backward(window, queries, keys, rows, dq, dk, dv)
+        dq, dk, dv = _attend_backward(visibility, queries, keys, rows, dq, dk, dv)
         dk, dv = _pass_on((dk, dv), axes, steps)
         keys = arriving
     return dq, dk, dv
@@ -249,7 +254,7 @@ def _pass_on(arrays, axes: tuple[str, ...], ways: int):
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axes, ring), arrays)
 
 
-def _attend(window, state, queries, keys):
+def _attend(visibility, state, queries, keys):
     """The online softmax `state` of every query block after it has also seen `keys`."""
     k, v, k_positions, k_segments = keys
 
@@ -261,9 +266,9 @@ def _attend(window, state, queries, keys):
 
             def step(state_i):
                 pairs = (segments_i, k_segments[j]), (positions_i, k_positions[j])
-                return online_softmax_step(window, state_i, q_i, k[j], v[j], *pairs)
+                return online_softmax_step(visibility, state_i, q_i, k[j], v[j], *pairs)
 
-            return j + 1, jax.lax.cond(visible(window, positions_i, k_positions[j]), step, lambda s: s, state_i)
+            return j + 1, jax.lax.cond(visible(visibility, positions_i, k_positions[j]), step, lambda s: s, state_i)
 
         # A while loop, not a fori_loop of static length (a scan): linearizing the layers' scan, JAX kept a scan's
         # scores and masks of every block pair as residuals, though this runs under a custom VJP (750 MB at
@@ -273,7 +278,7 @@ def _attend(window, state, queries, keys):
     return jax.lax.map(query_block, (*queries, state))
 
 
-def _attend_backward(window, queries, keys, rows, dq, dk, dv):
+def _attend_backward(visibility, queries, keys, rows, dq, dk, dv):
     """dq, dk and dv with the contributions of every visible (query block, key block) pair added; `rows`: the
     query rows' (lse, delta, d_out)."""
     q, q_positions, q_segments = queries
@@ -284,10 +289,10 @@ def _attend_backward(window, queries, keys, rows, dq, dk, dv):
             def add(carry):
                 dk_j, dv_j, dq = carry
                 pairs = (q_segments[i], k_segments[j]), (q_positions[i], k_positions[j])
-                dq_i, dk_c, dv_c = block_gradients(window, q[i], k[j], v[j], *pairs, tuple(r[i] for r in rows))
+                dq_i, dk_c, dv_c = block_gradients(visibility, q[i], k[j], v[j], *pairs, tuple(r[i] for r in rows))
                 return dk_j + dk_c, dv_j + dv_c, dq.at[i].add(dq_i)
 
-            return jax.lax.cond(visible(window, q_positions[i], k_positions[j]), add, lambda c: c, carry)
+            return jax.lax.cond(visible(visibility, q_positions[i], k_positions[j]), add, lambda c: c, carry)
 
         dk_j, dv_j, dq = jax.lax.fori_loop(0, q.shape[0], visit, (dk[j], dv[j], dq))
         return dq, (dk_j, dv_j)
@@ -296,8 +301,11 @@ def _attend_backward(window, queries, keys, rows, dq, dk, dv):
     return dq, dk, dv
 
 
-def visible(window: int | None, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
-    """Whether any query at `q_positions` may see any key at `k_positions` (causal, within the window): the block
-    pairs the kernels compute; the others they skip."""
+def visible(visibility: Visibility, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+    """Whether any query at `q_positions` may see any key at `k_positions` as `visibility` says (causal: at or
+    before it, within the window; else always): the block pairs the kernels compute; the others they skip."""
+    if not visibility.causal:
+        return jnp.bool_(True)
     seen = q_positions.max() >= k_positions.min()
+    window = visibility.window
     return seen if window is None else seen & (q_positions.min() - k_positions.max() < window)

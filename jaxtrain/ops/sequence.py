@@ -61,6 +61,12 @@ def next_tokens(batch: dict[str, jax.Array]) -> NextTokens:
     return NextTokens(*(_laid_out(x, order) for x in (*fields, weights)))
 
 
+def laid_out(x: jax.Array) -> jax.Array:
+    """x (B, T), per position of the natural sequence, in the devices' sequence layout (`sequence_order`): what a
+    model whose batch is not next-token pairs (an encoder's) does to each of its (B, T) fields."""
+    return _laid_out(x, sequence_order(x.shape[1]))
+
+
 def _maybe_laid_out(x: jax.Array | None, order: np.ndarray) -> jax.Array | None:
     return None if x is None else _laid_out(x, order)
 
@@ -73,7 +79,7 @@ def _laid_out(x: jax.Array, order: np.ndarray) -> jax.Array:
 
 
 def natural_order(x: jax.Array) -> jax.Array:
-    """x (B, T), per position in the devices' sequence layout (`sequence_order`), back in the natural order: a
+    """x (B, T, ...), per position in the devices' sequence layout (`sequence_order`), back in the natural order: a
     gather of B x T values, small beside the activations."""
     order = sequence_order(x.shape[1])
     if np.array_equal(order, np.arange(order.size)):
@@ -124,10 +130,13 @@ def target_weights(segment_ids: jax.Array | None, loss_weights: jax.Array | None
 def counted_targets(batch: dict[str, jax.Array]) -> jax.Array:
     """How many targets of `batch` a loss that is a mean over targets counts, float32: the sum of a language batch's
     target weights (`target_weights`: documents' own targets, chat data's loss-weighted tokens), or every target;
-    a batch without tokens counts each of its examples once. Weighs a batch's mean in a mean over several."""
+    a masked-LM batch (targets beside the tokens) the positions it predicts; a batch without tokens, or with a label per
+    row, counts each of its examples once. Weighs a batch's mean in a mean over several."""
     tokens = batch.get("tokens")
-    if tokens is None:
+    if tokens is None or "labels" in batch:
         return jnp.float32(next(iter(batch.values())).shape[0])
+    if "targets" in batch:
+        return jnp.sum(batch["loss_weights"], dtype=jnp.float32)
     weights = target_weights(batch.get("segment_ids"), batch.get("loss_weights"))
     every = tokens.shape[0] * (tokens.shape[1] - 1)
     return jnp.float32(every) if weights is None else jnp.sum(weights, dtype=jnp.float32)

@@ -65,7 +65,7 @@ from jaxtrain.planner.tiling import held_bytes
 from jaxtrain.planner.tracing import StepTrace
 from jaxtrain.planner.transfers import Transfer, merge_transfers
 from jaxtrain.planner.weights import Runs, gathered_layer_bytes, weight_transfers
-from jaxtrain.registry import resolve_model
+from jaxtrain.registry import SEQUENCE_TASKS, resolve_model
 from jaxtrain.run_config import RunConfig, apply_overrides
 from jaxtrain.sharding.mesh import MESH_AXES, MeshLayout, abstract_mesh, parse_layout
 from jaxtrain.sharding.rules import is_logical_names
@@ -426,7 +426,7 @@ def _model_flops(cfg: RunConfig, task: str, step: StepTrace, devices: int) -> tu
     train_flops = getattr(cfg.model, "train_flops", None)
     if train_flops is None:
         return 3 * step.forward_flops() / step.shardings.mesh.shape["pipeline"], True  # stages share the layers
-    seq_len = cfg.data.seq_len if task == "lm" else 1
+    seq_len = cfg.data.seq_len if task in SEQUENCE_TASKS else 1
     return train_flops(cfg.data.batch_size, seq_len) / devices, False
 
 

@@ -16,7 +16,7 @@ from jaxtrain.planner.estimate import USABLE_HBM, Estimate, Memory, estimate, fi
 from jaxtrain.planner.hardware import AUTO, target_for
 from jaxtrain.planner.measure import CompilerRefused, Measured, measure
 from jaxtrain.planner.transfers import Transfer, comm_by_axes
-from jaxtrain.registry import resolve_model
+from jaxtrain.registry import SEQUENCE_TASKS, resolve_model
 from jaxtrain.run_config import RunConfig
 from jaxtrain.sharding.mesh import MeshLayout, parse_layout
 
@@ -160,7 +160,7 @@ def describe(est: Estimate) -> str:
     """One line: model, batch, mesh, chip."""
     t, d, live = est.cfg.train, est.cfg.data, [f"{a}={n}" for a, n in est.mesh_shape.items() if n > 1]
     remat = getattr(est.cfg.model, "remat", None)
-    seq = f" x seq {d.seq_len}" if resolve_model(est.cfg.model_name)[0].task == "lm" else ""
+    seq = f" x seq {d.seq_len}" if resolve_model(est.cfg.model_name)[0].task in SEQUENCE_TASKS else ""
     hosts = f"; across hosts: {' '.join(sorted(est.slow_axes))}" if est.slow_axes else ""
     return (
         f"{est.cfg.model_name}, batch {d.batch_size}{seq}, grad_accum {t.grad_accum}"

@@ -60,6 +60,7 @@ from jaxtrain.planner.estimate import USABLE_HBM, Estimate, estimate, platform_o
 from jaxtrain.planner.hardware import target_for
 from jaxtrain.planner.measure import Measured
 from jaxtrain.planner.report import format_estimate, format_ms, local_check, target_check
+from jaxtrain.registry import SEQUENCE_TASKS
 from jaxtrain.run_config import RunConfig, apply_overrides, config_table, default_config
 from jaxtrain.settings import accepts_of
 from jaxtrain.sharding.mesh import MESH_AXES, MeshLayout, abstract_mesh
@@ -146,7 +147,7 @@ def model_splits(cfg: RunConfig) -> Splits:
     opt_state = jax.eval_shape(optimizer.init, parts.abstract_params)
     param_bytes = sum(b for b, _ in leaves)
     opt_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(opt_state))
-    lm = spec.task == "lm" and hasattr(cfg.model, "context_parallel")
+    lm = spec.task in SEQUENCE_TASKS and hasattr(cfg.model, "context_parallel")
     return Splits(
         model=cfg.model_name,
         dims=tuple(sorted(dims)),

@@ -109,7 +109,10 @@ def stage_transfers(step: StepTrace, shardings: Shardings, stages: Stages, accum
     outer = sum(device_bytes(leaf) for ns, leaf in zip(names, leaves) if not is_layer_stack(ns))
     # TPU and GPU compilers sum the gradient of a table whose rows are exchanged (an embedding under FSDP) over the
     # stages a second time, forming it outside the loop from the stages' parts; XLA:CPU sums the parts first.
-    tables = sum(device_bytes(leaves[i]) for i in exchanged_tables(shardings, step.used, step.tables))
+    tables = sum(
+        device_bytes(leaves[i])
+        for i in exchanged_tables(shardings, step.used, {i: t.rows for i, t in step.tables.items()})
+    )
     share = SEND_SHARE["all-reduce"](p) * accum
     summed, in_float32 = share * (outer + tables + m * x), share * (outer + m * x * 4 / itemsize)
     return [

@@ -84,6 +84,8 @@ class Runs:
         return cls(2 * accum, 1, accum, 1, accum, 1)
 
 
+# Long: one pass over the params, each a table exchanged, a table gathered, a weight gathered or reduced as it is;
+# split, each case would re-derive the same per-param sizes and axes.
 def weight_transfers(
     shardings: Shardings,
     runs: Runs,
@@ -100,10 +102,11 @@ def weight_transfers(
     """FSDP gathers and the gradient reductions over the batch axes, as often as `runs` says, in the dtype each
     param is used in (`use_itemsize`, per param: TPU and GPU compilers cast a weight to the compute dtype before
     gathering it and reduce its gradient in that dtype; XLA:CPU, the `cpu` of each transfer, casts after).
-    A table whose lookups are split over axes that split its other dims (an embedding's `embed` over `fsdp`) is not
-    gathered: each device looks up all the group's rows in its columns and an all-to-all hands them to their rows'
-    devices, and their gradients back; no gradient is reduced over those axes (`tables`, per table: bytes of the
-    rows one device looks up per microbatch and of their gradients; `exchanged_tables`). A table that is also a
+    A table larger than the rows looked up in it whose lookups are split over axes that split its other dims (an
+    embedding's `embed` over `fsdp`) is not gathered: each device looks up all the group's rows in its columns and
+    an all-to-all hands them to their rows' devices, and their gradients back; no gradient is reduced over those
+    axes (`tables`, per table: bytes of the rows one device looks up per microbatch and of their gradients;
+    `exchanged_tables`). A table that is also a
     matmul's weight (`multiplied`, per param: the bytes per element it is multiplied in; a tied embedding used as
     the output head) is gathered for that use as well, and the head's part of its gradient reduced as a weight's.
     `used`: per param, the axes splitting the rows of the activations it meets (`StepTrace.used`). `whole_torus`:
@@ -112,7 +115,8 @@ def weight_transfers(
     the collective and bytes per element of its gradient's reduction over the FSDP axes where the step's own code
     decides them (the chunked loss's head). `compiler`: whose habits the exchanged tables follow
     (`_exchanged_rows`). `gathered_itemsize`, `reduced_itemsize`: per param, other bytes per element (8-bit)."""
-    mesh, out, exchanged = shardings.mesh, [], set(exchanged_tables(shardings, used, tables))
+    mesh, out = shardings.mesh, []
+    exchanged = set(exchanged_tables(shardings, used, {i: found for i, (found, _) in tables.items()}))
     multiplied, reduced_as, gathered_itemsize = multiplied or {}, reduced_as or {}, gathered_itemsize or {}
     names = jax.tree.leaves(shardings.model.logical_names, is_leaf=is_logical_names)
     params = jax.tree.leaves(shardings.abstract_state["params"])
@@ -132,8 +136,17 @@ def weight_transfers(
             out += _exchanged_rows(gathered, tables[i], runs.table_lookups, mesh.shape, table)
             # The head's use: gathered once per microbatch, as the other params, in the dtype it is multiplied in.
             gathers, cast = runs.other_gathers, multiplied.get(i, itemsize) / itemsize
-        if gathered and (i not in exchanged or i in multiplied):
-            usual = "all-reduce" if set(gathered) == set(whole_torus) else "reduce-scatter"
+        usual = "all-reduce" if set(gathered) == set(whole_torus) else "reduce-scatter"
+        if i in tables and i not in exchanged and gathered:
+            # A table no larger than the rows looked up in it is gathered whole for its lookups, in the dtype they
+            # read it in; its gradient, the rows' scattered into a table of its own dtype, is reduced in that
+            # dtype. A matmul's use of it (a tied head) travels besides, below (compiled: bert-tiny's 4096-entry
+            # table under 6144 tokens a device on h100:8 at context=2,fsdp=2,tensor=2).
+            out += _gathered_weight(
+                gathered, mesh.shape, runs.table_lookups * shard, reductions * shard, cast, (usual, itemsize), itemsize
+            )
+            cast = multiplied.get(i, itemsize) / itemsize
+        if gathered and (i not in tables or i in multiplied):
             reduction = reduced_as.get(i, (usual, (reduced_itemsize or {}).get(i, cast * itemsize)))
             gather_cast = gathered_itemsize.get(i, cast * itemsize) / itemsize
             out += _gathered_weight(
@@ -168,12 +181,23 @@ def _gathered_weight(
     return [gather, Transfer(axes, kind, share * sent, "gradients", ("all-reduce", 2 * sent))]
 
 
-def exchanged_tables(shardings: Shardings, used: Mapping[int, set[str]], tables: Collection[int]) -> list[int]:
-    """The tables (of `tables`, param indices) whose looked-up rows are exchanged by all-to-all rather than the
-    table gathered (see `weight_transfers`). The compilers do so for tables larger than the rows looked up, as an
-    embedding is; a toy vocabulary smaller than one microbatch's rows is gathered like a weight instead (not
-    modelled)."""
-    return [i for i, (gathered, _) in enumerate(_weight_axes(shardings, used)) if gathered and i in tables]
+def exchanged_tables(shardings: Shardings, used: Mapping[int, set[str]], rows: Mapping[int, float]) -> list[int]:
+    """The tables (param indices: those of `rows`, with the bytes of the rows one device looks up in each per
+    microbatch) whose looked-up rows are exchanged by all-to-all rather than the table gathered (see
+    `weight_transfers`). The compilers do so for a table larger, gathered, than the rows looked up in it, as an
+    embedding is; a smaller one (BERT's two token types) is gathered like a weight (compiled: bert-tiny's
+    type table on h100:8 and v5p:2x2x2 sends no rows)."""
+    params = jax.tree.leaves(shardings.abstract_state["params"])
+    return [
+        i
+        for i, (gathered, _) in enumerate(_weight_axes(shardings, used))
+        if gathered and i in rows and _gathered_bytes(params[i], gathered, shardings.mesh.shape) > rows[i]
+    ]
+
+
+def _gathered_bytes(param: jax.ShapeDtypeStruct, axes: Collection[str], mesh_shape: Mapping[str, int]) -> float:
+    """Bytes of a device's shard of `param` gathered over `axes`, in its own dtype."""
+    return device_bytes(param) * math.prod(mesh_shape[a] for a in axes)
 
 
 def _exchanged_rows(

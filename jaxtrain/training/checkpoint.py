@@ -332,6 +332,45 @@ def restore_params(path: str | Path, abstract_params: PyTree) -> tuple[PyTree, d
     return _read_params(path, item, abstract_params)
 
 
+def restore_shared_params(path: str | Path, fresh_params: PyTree) -> tuple[PyTree, dict[str, Any], list[str]]:
+    """`fresh_params` (arrays, in their shardings) with each one the params of `path` also hold, by name and shape,
+    read from there (as `restore_params` reads): a model that shares part of another's (a classifier's encoder, from
+    a masked-LM checkpoint). Returns the params, the meta, and the names the checkpoint lacks, which stay fresh. A
+    shared name of another shape, or nothing shared, is a `CheckpointMismatchError`."""
+    path = Path(path).absolute()
+    item = _params_item(path)
+    stored = {name.removeprefix("params/"): tuple(x.shape) for name, x in _arrays(path, item).items()}
+    wanted = {_path(k): x for k, x in jax.tree_util.tree_flatten_with_path(fresh_params)[0]}
+    for name, x in wanted.items():
+        if name in stored and stored[name] != tuple(x.shape):
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not match the model: {name} is {stored[name]} there, {tuple(x.shape)} here. "
+                "Use the same sizes as the model it was saved with."
+            )
+    shared = {name: x for name, x in wanted.items() if name in stored}
+    if not shared:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} has none of this model's params (e.g. {next(iter(wanted))}): it holds another model."
+        )
+    target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for name, x in shared.items()}
+    read, meta = _read_params(path, item, _nested(target))
+    read = {_path(k): x for k, x in jax.tree_util.tree_flatten_with_path(read)[0]}
+    params = jax.tree_util.tree_map_with_path(lambda k, x: read.get(_path(k), x), fresh_params)
+    return params, meta, [name for name in wanted if name not in stored]
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """{'a/b': x} -> {'a': {'b': x}}."""
+    tree: dict[str, Any] = {}
+    for name, x in flat.items():
+        *parents, leaf = name.split("/")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = x
+    return tree
+
+
 def find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
     """The checkpoint `path` names and its meta: a step directory or params export itself, a run directory's newest
     step whose meta reads back. Anything else is a `CheckpointError` saying what was expected."""

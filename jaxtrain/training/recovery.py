@@ -43,6 +43,7 @@ from jaxtrain.training.checkpoint import (
     newest_meta,
     restore,
     restore_params,
+    restore_shared_params,
     trained_config,
 )
 from jaxtrain.training.distributed import to_host
@@ -280,14 +281,16 @@ class AdapterRestoreError(UserInputError):
 def _continues(cfg: RunConfig) -> bool:
     """Whether the run continues the training checkpoint at `checkpoint.restore` (its optimizer state and step),
     rather than starting at step 0 from its params (`_fine_tune`). A params export (an import from Hugging Face)
-    always starts so, as do `restore_params_only`, another objective (`preference.loss`, `grpo`: after SFT), and new
-    adapters on a checkpoint trained without them. A
-    checkpoint trained with adapters continues with the same `lora` settings; other ones are an error, since which of
-    its weights to keep frozen would be a guess."""
+    always starts so, as do `restore_params_only`, another model's checkpoint (an MLM encoder under a classifier),
+    another objective (`preference.loss`, `grpo`: after SFT), and new adapters on a checkpoint trained without them.
+    A checkpoint trained with adapters continues with the same `lora` settings; other ones are an error, since which
+    of its weights to keep frozen would be a guess."""
     source = cfg.checkpoint.restore
     if is_params_export(source) or cfg.checkpoint.restore_params_only:
         return False
     step_dir, meta = find_checkpoint(source)
+    if _family((meta.get("config") or {}).get("model_name", "")) != _family(cfg.model_name):
+        return False  # another model's checkpoint (an MLM encoder under a classifier): its shared params, at step 0
     if _objective(meta.get("config") or {}) != _objective(dataclasses.asdict(cfg)):
         return False  # another objective (SFT's checkpoint, then DPO or GRPO): a new run from its model, at step 0
     trained = stored_lora(step_dir, meta)
@@ -403,6 +406,8 @@ def _fine_tune(run: Run, checkpoints: Checkpoints | None, log: Callable[[str], N
     if stored_lora(step_dir, meta).rank:  # its model: the adapters it trained folded into their weights
         placed = place_model(cfg.model_name, cfg.model, cfg.mesh, cfg.rules, mesh=shardings.mesh)
         params = restore_merged(step_dir, meta, placed)
+    elif _family(meta.get("config", {}).get("model_name", "")) != _family(cfg.model_name):
+        params, meta = _shared_params(run, step_dir, log)
     else:
         params, meta = restore_params(step_dir, shardings.model.base_params(shardings.abstract_model_state()["params"]))
     adapters = " and new adapters" if shardings.model.freezes else ""
@@ -410,6 +415,27 @@ def _fine_tune(run: Run, checkpoints: Checkpoints | None, log: Callable[[str], N
     if checkpoints is not None:
         carry_into(Path(run.cfg.checkpoint.restore).absolute(), checkpoints.directory)
     return shardings.init_state(run.optimizer, run.cfg.train.seed, params)
+
+
+def _family(model_name: str) -> str:
+    """The registered model of a `name-preset` choice: what decides whether two runs' params are the same model's."""
+    return model_name.partition("-")[0]
+
+
+def _shared_params(run: Run, step_dir: Path, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+    """The params of another model's checkpoint (a masked-LM encoder under a classifier) where this model has the
+    same ones, the others initialised with the run's seed; the params left fresh are logged by name."""
+    model, abstract = (
+        run.shardings.model,
+        run.shardings.model.base_params(run.shardings.abstract_model_state()["params"]),
+    )
+    fresh = jax.jit(
+        lambda: model.init_params(run.cfg.train.seed), out_shardings=jax.tree.map(lambda x: x.sharding, abstract)
+    )()
+    params, meta, new = restore_shared_params(step_dir, fresh)
+    stored_model = meta.get("config", {}).get("model_name", "another model")
+    log(f"{step_dir} holds {stored_model}: its params where this model has the same; new: {', '.join(new) or 'none'}")
+    return params, meta
 
 
 class TokenizerMismatchError(UserInputError):

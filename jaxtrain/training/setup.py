@@ -29,7 +29,9 @@ from jaxtrain.data.datasets import (
     make_dataset,
     model_data_args,
 )
+from jaxtrain.data.masking import MaskOptions
 from jaxtrain.data.pairs import PAIR_KEYS, PAIRS, PreferencePairs
+from jaxtrain.data.text_classes import TextOptions
 from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.data.tokens import token_vocab
 from jaxtrain.formatting import fmt_bytes
@@ -59,6 +61,7 @@ from jaxtrain.posttrain.preference import (
     model_batch,
     preference_objective,
 )
+from jaxtrain.registry import SEQUENCE_TASKS
 from jaxtrain.run_config import ConfigError, RunConfig, default_config
 from jaxtrain.sharding.mesh import describe_mesh
 from jaxtrain.sharding.rules import ShardingRules
@@ -96,7 +99,7 @@ class Run:
         train_flops = getattr(self.cfg.model, "train_flops", None)
         if train_flops is not None:
             model = self.shardings.model
-            seq_len = self.cfg.data.seq_len if self.placed.spec.task == "lm" else 1
+            seq_len = self.cfg.data.seq_len if self.placed.spec.task in SEQUENCE_TASKS else 1
             rows = self.tokens_per_step // seq_len  # a batch of preference pairs runs two rows a pair
             if not model.freezes:
                 return train_flops(rows, seq_len)
@@ -259,7 +262,7 @@ def build(
 
     sync = _gradient_sync(cfg, shardings)
     grad_fn, step_fn = compose_step(cfg, shardings, pipeline, sync, policy, optimizer, schedule)
-    seq_len = cfg.data.seq_len if spec.task == "lm" else 1
+    seq_len = cfg.data.seq_len if spec.task in SEQUENCE_TASKS else 1
     rows = cfg.data.batch_size * (2 if PAIR_KEYS[0] in dataset.shapes(cfg.data.batch_size) else 1)
     return Run(cfg, placed, shardings, dataset, optimizer, grad_fn, step_fn, rows * seq_len, pipeline, sync)
 
@@ -395,7 +398,7 @@ def _check_sequence_split(cfg: RunConfig, mesh: Mesh, rules: ShardingRules, task
     axes = [a for a in rules.activations.get("seq", ()) if mesh.shape[a] > 1]
     if not axes:
         return
-    if task != "lm":
+    if task not in SEQUENCE_TASKS:
         raise ConfigError(
             f"mesh '{cfg.mesh}' splits the sequence over {'+'.join(axes)} (context parallelism), but model "
             f"'{cfg.model_name}' reads no sequences: use a mesh without a context axis (e.g. data instead)."
@@ -448,16 +451,19 @@ def _dataset(cfg: RunConfig, task: str, mesh: Mesh, given: Dataset | None) -> Da
         given = preference_pairs(cfg)
     if given is not None:
         return check_dataset(given, task, cfg.data.seq_len, cfg.data.batch_size, data_args["vocab_size"])
+    d = cfg.data
     return make_dataset(
-        cfg.data.source,
+        d.source,
         task,
         seed=cfg.train.seed,
-        seq_len=cfg.data.seq_len,
+        seq_len=d.seq_len,
         **data_args,
-        val_fraction=cfg.data.val_fraction,
-        partition=cfg.data.partition,
+        val_fraction=d.val_fraction,
+        partition=d.partition,
         replicas=mesh.shape["replica"],
-        tokens=TokenOptions(cfg.data.path, cfg.data.mixture, cfg.data.packing, cfg.data.prefetch),
+        tokens=TokenOptions(d.path, d.mixture, d.packing, d.prefetch),
+        masking=MaskOptions(d.mask_rate, d.whole_words),
+        text=TextOptions(d.text_field, d.label_field, d.label_names, d.val_path, d.tokenizer),
     )
 
 

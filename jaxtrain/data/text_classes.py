@@ -14,9 +14,9 @@ shuffle by the run's seed. Rows are pure functions of (seed, split, step, row), 
 (`jaxtrain.data.datasets`): training row r of step s is example s * B + r of an order drawn afresh each epoch from
 (seed, epoch); validation walks its examples in order.
 
-`data.source=builtin` is a generated task (`sentiment_review`): short reviews whose label is the majority opinion of
-their one or three clauses, "not" flipping a clause's, with neutral asides, each row's review drawn from (seed, split,
-step, row), so no review is seen twice but by chance; `write_sentiment_jsonl` writes such reviews as JSON lines.
+`data.source=builtin` is a generated task (`sentiment_review`): short reviews whose label is the opinion of their one
+opinion clause, "not" flipping it, among neutral asides, each row's review drawn from (seed, split, step, row), so no
+review is seen twice but by chance; `write_sentiment_jsonl` writes such reviews as JSON lines.
 
     >>> data = text_classes("builtin", TextOptions(), seq_len=128, seed=0, vocab_size=320, n_classes=2)
     >>> rows = data.rows("train", 0, range(4), 4)

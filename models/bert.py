@@ -26,8 +26,7 @@ meshes: under context parallelism the batch is laid out along the sequence like 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +43,7 @@ from jaxtrain.ops.sequence import laid_out, natural_order, segment_positions, se
 from jaxtrain.settings import COMPUTE_DTYPES, Settings, setting
 from jaxtrain.sharding.constraints import constrain, scan_layers
 
-from .gpt import Rope, constant_param, normal_param, rope_frequencies
+from .gpt import Rope, constant_param, layer_function, normal_param, rope_frequencies, stacked_blocks
 
 POSITIONS = ("learned", "rotary")
 NORMS = ("post", "pre")
@@ -279,18 +278,13 @@ class Encoder(nnx.Module):
             self.type_embedding = normal_param(rngs, (cfg.type_vocab_size, cfg.d_model), (None, "embed"), cfg.init_std)
         self.embed_norm = Norm(cfg)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = stacked_blocks(lambda rngs: Block(cfg, rngs), cfg.n_layers, rngs)
         if cfg.norm == "pre":
             self.final_norm = Norm(cfg)
 
     def __call__(self, inputs: EncoderBatch) -> jax.Array:
         """The last block's output (B, T, D) in the compute dtype, for inputs already laid out (`encoder_batch`)."""
-        layer, block_params = self.layer_stack(self.context(inputs))
+        layer, block_params = layer_function(self.blocks, self.context(inputs), self.cfg.remat)
         x = scan_layers(layer, self.embed(inputs), block_params)
         return self.final_norm(x) if self.cfg.norm == "pre" else x
 
@@ -316,18 +310,6 @@ class Encoder(nnx.Module):
     def context(self, inputs: EncoderBatch) -> Context:
         rope = Rope.at(inputs.positions, rope_frequencies(self.cfg)) if self.cfg.positions == "rotary" else None
         return Context(rope, inputs.segment_ids)
-
-    def layer_stack(self, context: Context) -> tuple[Callable, Any]:
-        """One layer as a function of (x, that layer's params), with the remat policy applied, and the stacked
-        params, as `scan_layers` takes them."""
-        block_def, block_params = nnx.split(self.blocks)
-
-        def layer(x, params):
-            return nnx.merge(block_def, params)(x, context)
-
-        if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        return layer, block_params
 
 
 class MaskedLM(nnx.Module):

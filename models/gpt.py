@@ -320,6 +320,30 @@ class Block(nnx.Module):
         return project("btf,fd->btd", hidden, self.w_down[...])
 
 
+def stacked_blocks(make: Callable[[nnx.Rngs], nnx.Module], n_layers: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`n_layers` blocks made by `make`, their params stacked along a leading `layers` dim (what `scan_layers` runs)."""
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return make_blocks(rngs)
+
+
+def layer_function(blocks: nnx.Module, context: Any, remat: str) -> tuple[Callable, Any]:
+    """One of the stacked `blocks` as a function of (x, that layer's params), called with `context`, under the remat
+    policy `remat`; and the stacked params, as the module holds them (what `scan_layers` takes)."""
+    block_def, block_params = nnx.split(blocks)
+
+    def layer(x, params):
+        return nnx.merge(block_def, params)(x, context)
+
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return layer, block_params
+
+
 class GPT(nnx.Module):
     """Token embedding, `n_layers` stacked blocks run by `scan_layers`, final norm and the output head."""
 
@@ -329,12 +353,7 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.embedding = normal_param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return self.block_type(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = stacked_blocks(lambda rngs: self.block_type(cfg, rngs), cfg.n_layers, rngs)
         self.final_norm = constant_param(1.0, (cfg.d_model,), ("norm",))
         if not cfg.tie_embeddings:
             self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
@@ -367,14 +386,7 @@ class GPT(nnx.Module):
     def layer_stack(self, context: Context) -> tuple[Callable, Any]:
         """One layer as a function of (x, that layer's params), with the remat policy applied, and the stacked
         params (as the module holds them: what `scan_layers` needs to hand pipeline stages their rows)."""
-        block_def, block_params = nnx.split(self.blocks)
-
-        def layer(x, params):
-            return nnx.merge(block_def, params)(x, context)
-
-        if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        return layer, block_params
+        return layer_function(self.blocks, context, self.cfg.remat)
 
     def head_matrix(self) -> tuple[jax.Array, str]:
         """The output head's weights and their layout: (D, V) "dv", or the tied embedding (V, D) "vd"."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import subprocess
@@ -34,6 +35,15 @@ def cached_run(mesh: str, overrides: tuple[str, ...] = (), model: str = "gpt-tin
     """`make_run` once per test session for each (mesh, overrides, model), on 1 device for "single", else 8: tests
     that share a run share its compiled steps (each compile costs seconds)."""
     return make_run(mesh, overrides, model=model, devices=1 if mesh == "single" else 8)
+
+
+def extra_module(name: str, extra: str = "hf"):
+    """Module `name`, from a project extra. Where it is not installed the calling test module skips saying which extra
+    installs it, except under CI (CI=true), which installs every extra: there the import fails, since a skip would
+    hide a broken install."""
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        return importlib.import_module(name)
+    return pytest.importorskip(name, reason=f"needs the {extra} extra: pip install -e '.[{extra}]'")
 
 
 @functools.cache

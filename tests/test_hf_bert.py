@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import extra_module
 
 from jaxtrain.cli import main
 from jaxtrain.interop.architectures import ArchitectureError
@@ -21,15 +22,7 @@ from jaxtrain.interop.exporting import write_hf
 from jaxtrain.interop.importing import HFCheckpoint, params_shardings
 from jaxtrain.run_config import apply_overrides, default_config
 
-if os.environ.get("CI", "").lower() in (
-    "true",
-    "1",
-):  # CI installs the hf extra: a skip there would hide a broken install
-    import torch
-    import transformers
-else:
-    torch = pytest.importorskip("torch", reason="needs the hf extra: pip install -e '.[hf]'")
-    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+torch, transformers = extra_module("torch"), extra_module("transformers")
 
 RTOL = 1e-4
 SIZES = dict(

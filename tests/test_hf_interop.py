@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import shared_file
 from flax import nnx
-from helpers import make_run
+from helpers import extra_module, make_run
 
 from jaxtrain.cli import main
 from jaxtrain.interop.exporting import export_hf, write_hf
@@ -23,15 +23,7 @@ from jaxtrain.interop.importing import HFCheckpoint, import_hf, params_shardings
 from jaxtrain.run_config import apply_overrides
 from jaxtrain.training.setup import build
 
-if os.environ.get("CI", "").lower() in (
-    "true",
-    "1",
-):  # CI installs the hf extra: a skip there would hide a broken install
-    import torch
-    import transformers
-else:
-    torch = pytest.importorskip("torch", reason="needs the hf extra: pip install -e '.[hf]'")
-    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+torch, transformers = extra_module("torch"), extra_module("transformers")
 
 RTOL = 1e-4
 SIZES = dict(

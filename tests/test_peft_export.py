@@ -11,6 +11,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from helpers import extra_module
 
 from jaxtrain.cli import main
 from jaxtrain.interop.importing import HFCheckpoint, import_hf
@@ -19,14 +20,8 @@ from jaxtrain.placement.place import place_model
 from jaxtrain.posttrain.adapters import adapt
 from jaxtrain.run_config import LoraConfig, load_config
 
-if os.environ.get("CI", "").lower() in ("true", "1"):  # CI installs the hf extra: a skip there would hide it
-    import peft
-    import torch
-    import transformers
-else:
-    torch = pytest.importorskip("torch", reason="needs the hf extra: pip install -e '.[hf]'")
-    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
-    peft = pytest.importorskip("peft", reason="needs peft, in the hf extra: pip install -e '.[hf]'")
+torch, transformers = extra_module("torch"), extra_module("transformers")
+peft = extra_module("peft")
 
 from test_hf_interop import SIZES  # noqa: E402  (the same small Llama; imported after the skips above)
 

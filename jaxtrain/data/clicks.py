@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxtrain.data.splits import SPLITS
 from jaxtrain.errors import UserInputError
 
 N_DENSE = 13  # as in the Criteo click logs
@@ -35,7 +36,6 @@ LATENT = 4
 # 0.29); a logistic regression fit on 512K examples, 77% (0.48).
 _BIAS, _DENSE_WEIGHT, _LATENT_STD, _DENSE_LATENT = -0.3, 0.3, 0.45, 0.15
 _WORLD = 20240607  # the rule's key, apart from every run's seed
-_SPLITS = {"train": 0, "val": 1}
 
 
 def _mix(h: np.ndarray) -> np.ndarray:
@@ -83,7 +83,7 @@ class Clicks:
 
     def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
         row = np.asarray(rows, dtype=np.int64)[:, None]  # (R, 1)
-        key = (self.seed, _SPLITS[split], step, row)
+        key = (self.seed, SPLITS[split], step, row)
         ids = (_uniform(*key, 0, np.arange(N_FIELDS)) * self.vocab_size).astype(np.int64)  # (R, F)
         dense = _normal(*key, 1, np.arange(N_DENSE))  # (R, N_DENSE)
         click = _uniform(*key, 2)[:, 0] < self.probability(dense, ids)

@@ -39,6 +39,7 @@ from jaxtrain.data.masking import (
     synthetic_vocab,
     tokenizer_vocab,
 )
+from jaxtrain.data.splits import row_rng
 from jaxtrain.data.text_classes import TextOptions, text_classes
 from jaxtrain.data.tokenizer import padded_vocab
 from jaxtrain.data.tokens import TokenData, token_sources, tokenizer_of
@@ -51,7 +52,6 @@ SOURCES = ("builtin", "synthetic", "digits", "clicks")  # data sources by name; 
 # checkout layout; the project's scripts and tests point this at ../shared/data when it is there.
 DATA_DIR_ENV = "JAXTRAIN_DATA_DIR"
 BUILTIN_TEXT_BYTES = 2_000_000
-SPLITS = {"train": 0, "val": 1}
 # How labelled training data is split over replicas (see `Digits`). Only uniform suits unlabelled data.
 PARTITIONS = ("uniform", "stratified", "by_label")
 # The digits CSV: 64 pixels of an 8x8 image, values 0..16, then the label.
@@ -75,10 +75,6 @@ class Dataset(Protocol):
     def shapes(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]: ...
 
     def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]: ...
-
-
-def _row_rng(seed: int, split: str, step: int, row: int) -> np.random.Generator:
-    return np.random.default_rng((seed, SPLITS[split], step, row))
 
 
 def check_partition(partition: str, replicas: int) -> None:
@@ -166,7 +162,7 @@ class TokenWindows:
     def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
         tokens = self.splits[split]
         width = self.seq_len + 1
-        starts = [_row_rng(self.seed, split, step, r).integers(0, len(tokens) - width) for r in rows]
+        starts = [row_rng(self.seed, split, step, r).integers(0, len(tokens) - width) for r in rows]
         return {"tokens": np.stack([tokens[s : s + width] for s in starts]).astype(np.int32)}
 
 
@@ -191,7 +187,7 @@ class SyntheticTokens:
         width = self.seq_len + 1
         return {
             "tokens": np.stack(
-                [_row_rng(self.seed, split, step, r).integers(0, self.vocab_size, width) for r in rows]
+                [row_rng(self.seed, split, step, r).integers(0, self.vocab_size, width) for r in rows]
             ).astype(np.int32)
         }
 
@@ -212,7 +208,7 @@ class SyntheticFeatures:
         }
 
     def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
-        rngs = [_row_rng(self.seed, split, step, r) for r in rows]
+        rngs = [row_rng(self.seed, split, step, r) for r in rows]
         return {
             "x": np.stack([rng.random(self.features, dtype=np.float32) for rng in rngs]),
             "y": np.array([rng.integers(0, self.classes) for rng in rngs], dtype=np.int32),

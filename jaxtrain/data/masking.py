@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import numpy as np
 
+from jaxtrain.data.splits import row_rng
 from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.errors import UserInputError
 
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
 MASK_RATE = 0.15
 # BERT's split of the chosen positions: below MASKED the mask id, below REPLACED a random ordinary id, else unchanged.
 MASKED, REPLACED = 0.8, 0.9
-# A split's number in random streams, as `datasets.SPLITS` (which imports this module, so it cannot be imported here).
-SPLIT_TAGS = {"train": 0, "val": 1}
 MASK_STREAM = 0x6D61736B  # b"mask": masking's own random stream beside the source's (seed, split, step, row)
 # The names tokenizers give their special tokens, in the order looked for.
 SPECIAL_NAMES = {
@@ -225,7 +224,7 @@ def check_mask_rate(rate: float) -> None:
 
 def mask_rng(seed: int, split: str, step: int, row: int) -> np.random.Generator:
     """Masking's generator for row `row` of batch `step`: apart from the source's stream of the same row."""
-    return np.random.default_rng((seed, SPLIT_TAGS[split], step, row, MASK_STREAM))
+    return row_rng(seed, split, step, row, MASK_STREAM)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,8 @@ import numpy as np
 
 from jaxtrain.data.chat import ChatError, checked_conversation
 from jaxtrain.data.chat_template import ChatTemplate, ChatTemplateError, special_tokens
-from jaxtrain.data.datasets import SPLITS, DataError
+from jaxtrain.data.datasets import DataError
+from jaxtrain.data.splits import epoch_walk
 from jaxtrain.data.tokenizer import Tokenizer
 
 PAIRS = "pairs"  # data.source of preference pairs; "pairs:FILE" names the JSON-lines file inline
@@ -178,14 +179,7 @@ class PreferencePairs:
     def indices(self, split: str, step: int, rows: range, batch_size: int) -> np.ndarray:
         """Which pair each row of a step reads: global sample step x batch_size + row, through a shuffle of the
         split drawn per epoch from (seed, split, epoch)."""
-        n = self.size(split)
-        samples = step * batch_size + np.asarray(rows, np.int64)
-        epochs, within = np.divmod(samples, n)
-        picked = np.empty(len(samples), np.int64)
-        for epoch in np.unique(epochs):
-            order = np.random.default_rng((self.seed, SPLITS[split], int(epoch))).permutation(n)
-            picked[epochs == epoch] = order[within[epochs == epoch]]
-        return picked
+        return epoch_walk(self.seed, split, step * batch_size + np.asarray(rows, np.int64), self.size(split))
 
     def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
         picked = self.indices(split, step, rows, batch_size)

@@ -39,10 +39,10 @@ from jaxtrain.data.masking import (
     BYTE_SPECIALS,
     BYTE_VOCAB,
     BYTE_VOCAB_FIX,
-    SPLIT_TAGS,
     hf_tokenizer,
     tokenizer_specials,
 )
+from jaxtrain.data.splits import epoch_walk, row_rng
 from jaxtrain.errors import UserInputError
 from jaxtrain.files import read_bytes
 
@@ -269,17 +269,8 @@ class TextClasses:
         examples = self.splits[split]
         samples = step * batch_size + np.asarray(rows, np.int64)
         n = len(examples.labels)
-        index = samples % n if split == "val" else self._shuffled(samples, n)
+        index = samples % n if split == "val" else epoch_walk(self.seed, "train", samples, n)
         return examples.take(index)._asdict()
-
-    def _shuffled(self, samples: np.ndarray, n: int) -> np.ndarray:
-        """Sample g is the (g mod n)-th example of epoch g div n's order."""
-        epochs, within = np.divmod(samples, n)
-        index = np.empty(len(samples), np.int64)
-        for epoch in np.unique(epochs):
-            order = np.random.default_rng((self.seed, SPLIT_TAGS["train"], int(epoch))).permutation(n)
-            index[epochs == epoch] = order[within[epochs == epoch]]
-        return index
 
 
 class SyntheticTextClasses:
@@ -294,7 +285,7 @@ class SyntheticTextClasses:
         return row_shapes(batch_size, self.seq_len)
 
     def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
-        rngs = [np.random.default_rng((self.seed, SPLIT_TAGS[split], step, row)) for row in rows]
+        rngs = [row_rng(self.seed, split, step, row) for row in rows]
         return {
             "tokens": np.stack([rng.integers(0, self.vocab_size, self.seq_len) for rng in rngs]).astype(np.int32),
             "segment_ids": np.ones((len(rngs), self.seq_len), np.int32),
@@ -316,7 +307,7 @@ class SentimentTask:
         return row_shapes(batch_size, self.seq_len)
 
     def rows(self, split: str, step: int, rows: range, batch_size: int) -> dict[str, np.ndarray]:
-        reviews = [sentiment_review(np.random.default_rng((self.seed, SPLIT_TAGS[split], step, r))) for r in rows]
+        reviews = [sentiment_review(row_rng(self.seed, split, step, r)) for r in rows]
         texts, labels = [r["text"] for r in reviews], [r["label"] for r in reviews]
         return padded(self.encoder, texts, labels, self.seq_len)._asdict()
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxtrain.data.packing import PACKINGS, ConcatWindows, PackedRows
 from jaxtrain.data.shards import FORMATS, MANIFEST, file_crc32
+from jaxtrain.data.splits import SPLITS
 from jaxtrain.data.tokenizer import Tokenizer, file_digest, load_tokenizer, padded_vocab
 from jaxtrain.errors import UserInputError
 
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     import grain
 
 TOKENS = "tokens"  # data.source of tokenized shards; "tokens:DIR" names the directory inline
-_SPLIT_TAGS = {"train": 0, "val": 1}
 
 
 class TokenDataError(UserInputError):
@@ -305,7 +305,7 @@ class TokenData:
         self.weights = [w / sum(w for _, w in sources) for _, w in sources]
         # Rows carry loss weights if any source stores them (chat data); a text source's then weigh 1.
         self.loss_weights = any(has_loss_weights(read_manifest(d)) for d, _ in sources)
-        self.splits = {split: self._split(sources, split) for split in _SPLIT_TAGS}
+        self.splits = {split: self._split(sources, split) for split in SPLITS}
         self._prefetched: _Prefetched | None = None
         # Which source each training sample comes from: Grain's mix of one constant per source draws the same
         # pattern as the data's mix (it depends on the weights alone, every part being endless), without reading.
@@ -335,7 +335,7 @@ class TokenData:
                     f"the {split} split of '{directory}' has {len(tokens)} tokens, too few for one row of "
                     f"data.seq_len={self.seq_len} + 1: use a shorter seq_len or more data."
                 )
-            seed = int(np.random.SeedSequence((self.seed, _SPLIT_TAGS[split], k)).generate_state(1)[0])
+            seed = int(np.random.SeedSequence((self.seed, SPLITS[split], k)).generate_state(1)[0])
             parts.append(grain.MapDataset.source(rows).shuffle(seed=seed).repeat())
         return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, self.weights)
 

@@ -254,8 +254,9 @@ class EncoderBatch(NamedTuple):
 
 
 def encoder_batch(batch: dict[str, jax.Array]) -> EncoderBatch:
-    """The inputs of a batch {"tokens": (B, T), optional "segment_ids" (0: padding), optional "token_types"}, laid
-    out along the sequence as the active mesh splits it. Positions restart at each document of a packed row."""
+    """The inputs of a batch {"tokens": (B, T), optional "segment_ids" (0: padding), optional "token_types" (absent
+    or None)}, laid out along the sequence as the active mesh splits it. Positions restart at each document of a
+    packed row."""
     tokens, segments = batch["tokens"], batch.get("segment_ids")
     order = sequence_order(tokens.shape[1])
     positions = jnp.asarray(order)[None] if segments is None else laid_out(segment_positions(segments))
@@ -331,7 +332,7 @@ class MaskedLM(nnx.Module):
     ) -> jax.Array:
         """tokens (B, T) -> logits (B, T, V) float32, in the natural order whatever the devices' sequence layout."""
         batch = {"tokens": tokens, "segment_ids": segment_ids, "token_types": token_types}
-        hidden = self.encoder(encoder_batch({k: v for k, v in batch.items() if v is not None}))
+        hidden = self.encoder(encoder_batch(batch))
         return natural_order(self.logits(hidden))
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, V) float32
@@ -371,7 +372,7 @@ class Classifier(nnx.Module):
     ) -> jax.Array:
         """tokens (B, T) -> class logits (B, C) float32."""
         batch = {"tokens": tokens, "segment_ids": segment_ids, "token_types": token_types}
-        return self.class_logits(encoder_batch({k: v for k, v in batch.items() if v is not None}))
+        return self.class_logits(encoder_batch(batch))
 
     def class_logits(self, inputs: EncoderBatch) -> jax.Array:
         hidden = self.encoder(inputs)  # (B, T, D)

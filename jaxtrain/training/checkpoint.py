@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import traverse_util
 from jax.experimental import multihost_utils
 
 from jaxtrain.analysis.memory import total_bytes
@@ -353,22 +354,10 @@ def restore_shared_params(path: str | Path, fresh_params: PyTree) -> tuple[PyTre
             f"checkpoint {path} has none of this model's params (e.g. {next(iter(wanted))}): it holds another model."
         )
     target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for name, x in shared.items()}
-    read, meta = _read_params(path, item, _nested(target))
+    read, meta = _read_params(path, item, traverse_util.unflatten_dict(target, sep="/"))
     read = {_path(k): x for k, x in jax.tree_util.tree_flatten_with_path(read)[0]}
     params = jax.tree_util.tree_map_with_path(lambda k, x: read.get(_path(k), x), fresh_params)
     return params, meta, [name for name in wanted if name not in stored]
-
-
-def _nested(flat: dict[str, Any]) -> dict[str, Any]:
-    """{'a/b': x} -> {'a': {'b': x}}."""
-    tree: dict[str, Any] = {}
-    for name, x in flat.items():
-        *parents, leaf = name.split("/")
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = x
-    return tree
 
 
 def find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
